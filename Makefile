@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make test` and `make run`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Without an NVIDIA GPU take the CPU build of torch (a plain `torch` requirement can pull a
+# multi-GB CUDA build). Set TORCH_SPEC or PIP_TORCH_ARGS to choose another build.
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_NVIDIA),yes)
+TORCH_SPEC ?= torch>=2.4
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+PIP_TORCH_ARGS ?=
+
+.PHONY: install test test-fast run lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -c "import torch, triton, tiered_kv; print('installed torch', torch.__version__, 'triton', triton.__version__)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check tiered_kv tests benchmarks
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu"
+
+run: $(STAMP)
+	$(PY) benchmarks/bench_allocator.py --quick
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_allocator.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check tiered_kv tests benchmarks
+	$(PY) -m ruff format --check tiered_kv tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,220 @@
+"""KVCache: the base of every device KV pool (one tensor per layer, slot 0 a padding sink).
+
+Layout contract shared by the subclasses:
+- each layer owns its own tensor of ``size + page_size`` rows; slot 0 (and the rest of page 0)
+  is where padded tokens write dummy KV, so it is never handed out by an allocator;
+- ``store_dtype`` is what the tensor holds; fp8 dtypes are stored as uint8 (``index_put`` is not
+  implemented for them) and viewed back as ``dtype`` by the getters;
+- layer ids are global; this pool holds layers ``start_layer..end_layer`` (pipeline parallelism)
+  and indexes its buffers by ``layer_id - start_layer``.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from tiered_kv import platform
+from tiered_kv._checks import check_index_tensor, check_positive_int, check_range
+from tiered_kv.device.write_loc import KVWriteLoc, as_write_loc, write_loc_is_physical
+from tiered_kv.errors import InvalidArgumentError, PhysicalWriteLocError
+
+FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
+    getattr(torch, name)
+    for name in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+KV_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+
+
+def store_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """uint8 for fp8 dtypes (no index_put for them), the dtype itself otherwise."""
+    return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def mha_kv_bytes(
+    layer_num: int, tokens: int, head_num: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """The seed's M_MHA = 2 * L * T * H * d * b (K and V, equal head dims)."""
+    return 2 * layer_num * tokens * head_num * head_dim * dtype_bytes(dtype)
+
+
+def mla_kv_bytes(
+    layer_num: int, tokens: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype
+) -> int:
+    """The seed's M_MLA = L * T * (r + d_r) * b: one latent shared by every head."""
+    return layer_num * tokens * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes(dtype)
+
+
+class KVCache(abc.ABC):
+    """Base of the device KV pools. Subclasses create their buffers and implement the getters.
+
+    Writes go through :meth:`set_kv_buffer` with a :class:`KVWriteLoc`; a pool whose ids are
+    virtual sets ``requires_physical_write_loc`` and refuses an unmarked loc.
+    """
+
+    requires_physical_write_loc: bool = False
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_num: int,
+        device: str | torch.device | None,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+    ) -> None:
+        self.size = check_positive_int("size", size)
+        self.page_size = check_positive_int("page_size", page_size)
+        self.layer_num = check_positive_int("layer_num", layer_num)
+        if dtype not in KV_DTYPES:
+            names = ", ".join(str(d) for d in KV_DTYPES)
+            raise InvalidArgumentError(f"dtype {dtype} is not a KV dtype; use one of {names}")
+        self.dtype = dtype
+        self.store_dtype = store_dtype_for(dtype)
+        self.device = platform.resolve_device(device)
+        self.start_layer = (
+            0 if start_layer is None else check_positive_int("start_layer", start_layer, minimum=0)
+        )
+        expected_end = self.start_layer + layer_num - 1
+        self.end_layer = expected_end if end_layer is None else end_layer
+        if self.end_layer != expected_end:
+            raise InvalidArgumentError(
+                f"end_layer={end_layer} does not match start_layer={self.start_layer} and "
+                f"layer_num={layer_num}; expected end_layer={expected_end}"
+            )
+        # Validation that reads index values costs a device sync on CUDA: on by default only
+        # where it is free (CPU tensors); debug_mode turns it on everywhere.
+        self.debug_mode = False
+
+    # -- geometry ---------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        """Rows per layer buffer: ``size`` usable slots plus the padding page."""
+        return self.size + self.page_size
+
+    def layer_index(self, layer_id: int) -> int:
+        """Local buffer index of global ``layer_id``; raises if this pool does not hold it."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise InvalidArgumentError(f"layer_id must be an int, got {layer_id!r}")
+        if not self.start_layer <= layer_id <= self.end_layer:
+            raise InvalidArgumentError(
+                f"layer_id={layer_id} is not held by this pool; valid global layer ids are "
+                f"{self.start_layer}..{self.end_layer}"
+            )
+        return layer_id - self.start_layer
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.dtype) if self.store_dtype != self.dtype else t
+
+    # -- writes -----------------------------------------------------------------------------
+    def _check_physical_write_loc(self, loc_info: KVWriteLoc | torch.Tensor, where: str) -> None:
+        # A flag read, no device sync: cheap enough for every write. Fused writers that scatter
+        # through get_kv_buffer, and a replayed CUDA graph, do not pass through here.
+        if self.requires_physical_write_loc and not write_loc_is_physical(loc_info):
+            raise PhysicalWriteLocError(
+                f"{where}: write loc is not marked physical. Pass KVWriteLoc.for_batch(batch) for "
+                "a batch whose out_cache_loc is physical, or KVWriteLoc(loc, physical=True) for "
+                "ids already translated to physical slots"
+            )
+
+    def _write_target(
+        self, layer_id: int, loc_info: KVWriteLoc | torch.Tensor, n_tokens: int, where: str
+    ) -> tuple[int, torch.Tensor]:
+        """Validate a write and return (local layer index, slot tensor). Changes nothing."""
+        self._check_physical_write_loc(loc_info, where)
+        write_loc = as_write_loc(loc_info)
+        local = self.layer_index(layer_id)
+        loc = check_index_tensor(f"{where}: loc", write_loc.target_full_loc, self.device)
+        if loc.shape[0] != n_tokens:
+            raise InvalidArgumentError(
+                f"{where}: write loc has {loc.shape[0]} slots but the KV has {n_tokens} tokens; "
+                "they must be equal"
+            )
+        if self.device.type == "cpu" or self.debug_mode:
+            check_range(f"{where}: loc", loc, 0, self.num_slots)
+        return local, loc
+
+    @staticmethod
+    def _num_tokens(name: str, x: object) -> int:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise InvalidArgumentError(
+                f"{name} must be a tensor with a leading token dimension, got {x!r:.80}"
+            )
+        return int(x.shape[0])
+
+    def _to_store(
+        self,
+        name: str,
+        x: torch.Tensor,
+        shape: tuple[int, ...],
+        scale: float | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Check ``x`` against ``shape`` (a flat last dim is reshaped), cast to ``dtype`` (dividing
+        by ``scale`` first when given), and view it as ``store_dtype``."""
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != shape:
+            if x.numel() == _prod(shape) and x.dim() >= 1 and x.shape[0] == shape[0]:
+                x = x.reshape(shape)
+            else:
+                raise InvalidArgumentError(
+                    f"{name} has shape {tuple(x.shape)}; expected {shape} for this pool"
+                )
+        if not x.is_floating_point():
+            raise InvalidArgumentError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+        if x.dtype != self.dtype:
+            if scale is not None:
+                x = x / scale
+            x = x.to(self.dtype)
+        if x.device != self.device:
+            x = x.to(self.device)
+        return x.view(self.store_dtype) if self.store_dtype != self.dtype else x
+
+    # -- interface ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    @abc.abstractmethod
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        write_loc: KVWriteLoc | torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor | None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Write ``cache_k``/``cache_v`` of ``len(write_loc)`` tokens into layer ``layer_id``.
+        Validates everything first; on error nothing is written."""
+
+    @abc.abstractmethod
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor this pool owns (store dtype), for byte accounting and transfers."""
+
+    def get_kv_size_bytes(self) -> int:
+        """Bytes this pool holds on its device, padding page included."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    @abc.abstractmethod
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes one token occupies in one layer (K and V together)."""
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

@@ -1,0 +1,35 @@
+"""The TieredKVError family: every error the package raises on purpose.
+
+Each message names the offending value and what would be valid. Recoverable conditions (a pool
+that is full, a disk that is full) are return values or counted events, never these errors.
+"""
+
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base class of every error tiered_kv raises on purpose."""
+
+
+class InvalidArgumentError(TieredKVError, ValueError):
+    """An argument has the wrong value, shape, dtype or device. Nothing was changed."""
+
+
+class OwnershipError(TieredKVError):
+    """A slot, page or row was freed twice, freed while not owned, or is a padding sink."""
+
+
+class PhysicalWriteLocError(InvalidArgumentError):
+    """A pool that needs physical write locations got a loc that is not marked physical."""
+
+
+class LayoutError(TieredKVError):
+    """A buffer was asked for that this pool's layout does not have (e.g. V of a K-only pool)."""
+
+
+class BackendUnavailableError(TieredKVError):
+    """A kernel backend or device was requested that this process cannot run."""
+
+
+class StateError(TieredKVError):
+    """A call came in the wrong order (e.g. free_group_end without free_group_begin)."""

@@ -1,0 +1,30 @@
+"""Kernels: each Triton kernel with a launcher and a torch reference of the same signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from tiered_kv import platform
+from tiered_kv.platform import KernelBackend
+
+
+class AllocKernels(NamedTuple):
+    """The two allocation launchers of one backend (same signatures for every backend)."""
+
+    backend: KernelBackend
+    alloc_extend: Callable[..., None]
+    alloc_decode: Callable[..., None]
+
+
+def alloc_kernels(device: torch.device, backend: str | KernelBackend | None = None) -> AllocKernels:
+    """The allocation launchers for tensors on ``device``; the backend is chosen once here."""
+    chosen = platform.kernel_backend(device, backend)
+    if chosen is KernelBackend.TRITON:
+        platform.import_triton()
+        from tiered_kv.kernels import alloc_triton as impl
+    else:
+        from tiered_kv.kernels import alloc_reference as impl
+    return AllocKernels(chosen, impl.alloc_extend, impl.alloc_decode)
