@@ -161,7 +161,9 @@ class KVCache(abc.ABC):
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape) != shape:
-            if x.numel() == _prod(shape) and x.dim() >= 1 and x.shape[0] == shape[0]:
+            # Only a flattened (n, H*d) input is reshaped; any other layout is refused rather
+            # than scrambled into heads.
+            if x.dim() == 2 and tuple(x.shape) == (shape[0], _prod(shape[1:])):
                 x = x.reshape(shape)
             else:
                 raise InvalidArgumentError(

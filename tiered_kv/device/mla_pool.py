@@ -85,11 +85,20 @@ class MLATokenToKVPool(KVCache):
         if not isinstance(cache_k_nope, torch.Tensor) or not isinstance(cache_k_rope, torch.Tensor):
             raise InvalidArgumentError("cache_k_nope and cache_k_rope must be tensors")
         n = self._num_tokens("cache_k_nope", cache_k_nope)
-        nope = cache_k_nope.reshape(n, 1, -1) if cache_k_nope.numel() else cache_k_nope
-        rope = cache_k_rope.reshape(n, 1, -1) if cache_k_rope.numel() else cache_k_rope
-        if nope.shape[-1] != self.kv_lora_rank or rope.shape[-1] != self.qk_rope_head_dim:
+        m = self._num_tokens("cache_k_rope", cache_k_rope)
+        if m != n:
             raise InvalidArgumentError(
-                f"cache_k_nope/cache_k_rope last dims are {nope.shape[-1]}/{rope.shape[-1]}; "
-                f"expected {self.kv_lora_rank}/{self.qk_rope_head_dim}"
+                f"cache_k_rope has {m} tokens but cache_k_nope has {n}; they must be equal"
             )
+        for name, part, width in (
+            ("cache_k_nope", cache_k_nope, self.kv_lora_rank),
+            ("cache_k_rope", cache_k_rope, self.qk_rope_head_dim),
+        ):
+            if tuple(part.shape) not in ((n, 1, width), (n, width)):
+                raise InvalidArgumentError(
+                    f"{name} has shape {tuple(part.shape)}; expected ({n}, 1, {width}) or "
+                    f"({n}, {width})"
+                )
+        nope = cache_k_nope.reshape(n, 1, self.kv_lora_rank)
+        rope = cache_k_rope.reshape(n, 1, self.qk_rope_head_dim).to(nope.dtype)
         self.set_kv_buffer(layer_id, write_loc, torch.cat([nope, rope], dim=-1), None)

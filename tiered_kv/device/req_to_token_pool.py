@@ -101,7 +101,12 @@ class ReqToTokenPool:
         this raises. Only the others get new rows. Returns every request's row, or None (and
         binds nothing) when there are not enough free rows."""
         kvs = [_kv_of(r) for r in reqs]
+        if len({id(kv) for kv in kvs}) != len(kvs):
+            raise InvalidArgumentError("the same request appears twice in one alloc() call")
         reusing = [kv for kv in kvs if kv.holds_kv]
+        reused_rows = [kv.req_pool_idx for kv in reusing]
+        if len(set(reused_rows)) != len(reused_rows):
+            raise OwnershipError(f"two requests claim the same row among {sorted(reused_rows)}")
         for kv in reusing:
             if kv.kv_allocated_len <= 0:
                 raise OwnershipError(

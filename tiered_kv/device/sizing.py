@@ -47,7 +47,7 @@ class AllocSizingConfig:
                 )
         algo = self.speculative_algorithm
         if algo is not None:
-            if algo.lower() not in SPEC_ALGORITHMS:
+            if not isinstance(algo, str) or algo.lower() not in SPEC_ALGORITHMS:
                 raise InvalidArgumentError(
                     f"speculative_algorithm={algo!r}; expected None or one of "
                     f"{sorted(SPEC_ALGORITHMS)}"

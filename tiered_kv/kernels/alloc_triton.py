@@ -17,7 +17,7 @@ import triton.language as tl
 
 # Full pages are written BLOCK_EXTEND slots at a time in a loop whose bound is a runtime value,
 # so Triton emits a real loop and compiles the kernel once for every extend length.
-BLOCK_EXTEND = 1024
+BLOCK_EXTEND = 4096
 
 
 # free_page_ptr is a sliced view whose alignment changes every call; do not specialise on it.
