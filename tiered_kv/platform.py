@@ -1,10 +1,12 @@
 """Where tensors live and which kernel path runs, decided once per process.
 
-Kernel paths: ``triton`` (compiled on CUDA; the Triton interpreter on CPU) and ``torch`` (the
-reference implementation of every kernel). ``auto`` picks Triton on CUDA and torch on CPU, where
-the interpreter is correct but slow. Environment variables are read here and nowhere else:
+Kernel paths: ``triton`` (compiled on CUDA; the Triton interpreter on CPU), ``torch`` (the
+reference implementation of every kernel) and ``native`` (a small C block copier compiled on first
+use; CPU page transfers only). ``auto`` picks Triton on CUDA; on CPU, where the interpreter is
+correct but slow, it picks ``native`` for page transfers (when a C compiler is present) and
+``torch`` for everything else. Environment variables are read here and nowhere else:
 
-- ``TIERED_KV_KERNEL_BACKEND``: ``auto`` (default), ``triton`` or ``torch``;
+- ``TIERED_KV_KERNEL_BACKEND``: ``auto`` (default), ``triton``, ``torch`` or ``native``;
 - ``TIERED_KV_DEVICE``: the default device (``cuda``, ``cuda:1``, ``cpu``); default ``cuda`` when
   available, else ``cpu``.
 
@@ -33,6 +35,7 @@ ENV_DEVICE = "TIERED_KV_DEVICE"
 class KernelBackend(str, enum.Enum):
     TRITON = "triton"
     TORCH = "torch"
+    NATIVE = "native"
 
 
 _lock = threading.Lock()
@@ -118,18 +121,32 @@ def _parse_backend(value: str | KernelBackend, where: str) -> KernelBackend | No
         return KernelBackend(text)
     except ValueError:
         raise InvalidArgumentError(
-            f"{where}={value!r} is not a kernel backend; use 'auto', 'triton' or 'torch'"
+            f"{where}={value!r} is not a kernel backend; use 'auto', 'triton', 'torch' or 'native'"
         ) from None
 
 
+def native_available() -> bool:
+    """Whether the native block copier builds and loads in this process."""
+    from tiered_kv.kernels import native_build  # noqa: PLC0415 - lazy: may run a compiler
+
+    return native_build.load() is not None
+
+
 def kernel_backend(
-    device: torch.device, requested: str | KernelBackend | None = None
+    device: torch.device,
+    requested: str | KernelBackend | None = None,
+    *,
+    native_ok: bool = False,
 ) -> KernelBackend:
     """The kernel path for tensors on ``device``: an explicit request, then the test override,
-    then ``TIERED_KV_KERNEL_BACKEND``, then ``auto`` (Triton on CUDA, torch on CPU)."""
+    then ``TIERED_KV_KERNEL_BACKEND``, then ``auto``. ``native_ok`` says the caller has a native
+    implementation (page transfers); for others a ``native`` choice from the override or the
+    environment means torch, and an explicit ``native`` request is refused."""
     choice = None
+    explicit = False
     if requested is not None:
         choice = _parse_backend(requested, "kernel_backend")
+        explicit = choice is not None
     if choice is None and _override is not None:
         choice = _override
     if choice is None:
@@ -137,6 +154,8 @@ def kernel_backend(
     if choice is None:
         if device.type == "cuda" and triton_runs_on(device):
             return KernelBackend.TRITON
+        if device.type == "cpu" and native_ok and native_available():
+            return KernelBackend.NATIVE
         return KernelBackend.TORCH
     if choice is KernelBackend.TRITON and not triton_runs_on(device):
         raise BackendUnavailableError(
@@ -144,6 +163,22 @@ def kernel_backend(
             + (_triton_error or "Triton was imported without the interpreter before tiered_kv")
             + "; use kernel_backend='torch'"
         )
+    if choice is KernelBackend.NATIVE:
+        if not native_ok:
+            if explicit:
+                raise BackendUnavailableError(
+                    "kernel backend 'native' exists only for page transfers; use 'triton' or "
+                    "'torch' here"
+                )
+            return KernelBackend.TORCH
+        if device.type != "cpu":
+            raise BackendUnavailableError(
+                f"kernel backend 'native' copies CPU memory only, not {device}; use 'triton'"
+            )
+        if not native_available():
+            from tiered_kv.kernels import native_build  # noqa: PLC0415
+
+            raise BackendUnavailableError(f"{native_build.error()}; use kernel_backend='torch'")
     return choice
 
 

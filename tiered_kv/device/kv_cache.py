@@ -17,6 +17,7 @@ import torch
 
 from tiered_kv import platform
 from tiered_kv._checks import check_index_tensor, check_positive_int, check_range
+from tiered_kv.device.pool_decl import HostPart, HostPoolDecl
 from tiered_kv.device.write_loc import KVWriteLoc, as_write_loc, write_loc_is_physical
 from tiered_kv.errors import InvalidArgumentError, PhysicalWriteLocError
 
@@ -213,6 +214,29 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def bytes_per_token_per_layer(self) -> int:
         """Bytes one token occupies in one layer (K and V together)."""
+
+    # -- host tier ----------------------------------------------------------------------------
+    host_pool_kind: str = "kv"
+
+    @abc.abstractmethod
+    def _host_parts(self) -> tuple[HostPart, ...]:
+        """The per-token rows of this pool's buffers, in record order."""
+
+    def host_pool_decls(self) -> tuple[HostPoolDecl, ...]:
+        """Host pools kept for the buffers this pool owns: the KV itself. Buffers owned elsewhere
+        (e.g. recurrent state held by a request pool) are declared by their owner."""
+        return (
+            HostPoolDecl(
+                name="kv",
+                kind=self.host_pool_kind,
+                device_pool=self,
+                parts=self._host_parts(),
+                dtype=self.store_dtype,
+                layer_ids=tuple(range(self.start_layer, self.end_layer + 1)),
+                page_size=self.page_size,
+                num_slots=self.num_slots,
+            ),
+        )
 
 
 def _prod(shape: tuple[int, ...]) -> int:

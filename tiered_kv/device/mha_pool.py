@@ -6,6 +6,7 @@ import torch
 
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.kv_cache import KVCache
+from tiered_kv.device.pool_decl import HostPart
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, LayoutError
 
@@ -53,8 +54,16 @@ class MHATokenToKVPool(KVCache):
             for _ in range(self.layer_num)
         ]
 
+    host_pool_kind = "mha"
+
     def buffers(self) -> list[torch.Tensor]:
         return [*self.k_buffer, *self.v_buffer]
+
+    def _host_parts(self) -> tuple[HostPart, ...]:
+        return (
+            HostPart("k", (self.head_num, self.head_dim), lambda i: self.k_buffer[i]),
+            HostPart("v", (self.head_num, self.v_head_dim), lambda i: self.v_buffer[i]),
+        )
 
     def bytes_per_token_per_layer(self) -> int:
         item = torch.empty((), dtype=self.store_dtype).element_size()
@@ -112,8 +121,13 @@ class MHATokenToKOnlyPool(KVCache):
             for _ in range(layer_num)
         ]
 
+    host_pool_kind = "k_only"
+
     def buffers(self) -> list[torch.Tensor]:
         return list(self.k_buffer)
+
+    def _host_parts(self) -> tuple[HostPart, ...]:
+        return (HostPart("k", (self.head_num, self.head_dim), lambda i: self.k_buffer[i]),)
 
     def bytes_per_token_per_layer(self) -> int:
         return (

@@ -6,6 +6,7 @@ import torch
 
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.kv_cache import KVCache
+from tiered_kv.device.pool_decl import HostPart
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError
 
@@ -42,8 +43,13 @@ class MLATokenToKVPool(KVCache):
             for _ in range(layer_num)
         ]
 
+    host_pool_kind = "mla"
+
     def buffers(self) -> list[torch.Tensor]:
         return list(self.kv_buffer)
+
+    def _host_parts(self) -> tuple[HostPart, ...]:
+        return (HostPart("kv", (1, self.kv_cache_dim), lambda i: self.kv_buffer[i]),)
 
     def bytes_per_token_per_layer(self) -> int:
         return self.kv_cache_dim * torch.empty((), dtype=self.store_dtype).element_size()

@@ -19,6 +19,28 @@ class AllocKernels(NamedTuple):
     alloc_decode: Callable[..., None]
 
 
+class TransferKernels(NamedTuple):
+    """The page-transfer launcher of one backend (same signature for every backend)."""
+
+    backend: KernelBackend
+    transfer_rows: Callable[..., None]
+
+
+def transfer_kernels(
+    device: torch.device, backend: str | KernelBackend | None = None
+) -> TransferKernels:
+    """The page-transfer launcher for device tensors on ``device``; chosen once here."""
+    chosen = platform.kernel_backend(device, backend, native_ok=True)
+    if chosen is KernelBackend.TRITON:
+        platform.import_triton()
+        from tiered_kv.kernels import transfer_triton as impl
+    elif chosen is KernelBackend.NATIVE:
+        from tiered_kv.kernels import transfer_native as impl
+    else:
+        from tiered_kv.kernels import transfer_reference as impl
+    return TransferKernels(chosen, impl.transfer_rows)
+
+
 def alloc_kernels(device: torch.device, backend: str | KernelBackend | None = None) -> AllocKernels:
     """The allocation launchers for tensors on ``device``; the backend is chosen once here."""
     chosen = platform.kernel_backend(device, backend)

@@ -1,0 +1,89 @@
+"""Build and load the native block copier (``native/copy_blocks.c``) on first use.
+
+The shared library is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``)
+into a cache folder keyed by the source's hash, then loaded with ctypes. Where no compiler works
+the native path is unavailable and :func:`load` says why; callers fall back to the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native") / "copy_blocks.c"
+ENV_CACHE_DIR = "TIERED_KV_CACHE_DIR"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def cache_dir() -> Path:
+    """``$TIERED_KV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tiered_kv"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(target: Path) -> None:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[:500]}")
+        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded library, building it if needed; None (with :func:`error`) if impossible."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        try:
+            digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+            tag = f"{sys.platform}-{os.uname().machine}" if hasattr(os, "uname") else sys.platform
+            target = cache_dir() / f"copy_blocks-{digest}-{tag}.so"
+            if not target.exists():
+                _build(target)
+            lib = ctypes.CDLL(str(target))
+            fn = lib.tkv_copy_blocks
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_int,
+            ]
+            fn.restype = ctypes.c_int
+            _lib = lib
+        except Exception as exc:  # no compiler, unwritable cache, foreign platform
+            _error = f"native block copier unavailable: {exc}"
+        return _lib
+
+
+def error() -> str | None:
+    load()
+    return _error
