@@ -11,6 +11,7 @@ bytes (``get_page_bytes`` / ``set_page_bytes``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -278,23 +279,25 @@ class HostKVCache:
         ``get_page_bytes`` returns). One copy, straight into the page; nothing changes on error."""
         block = self._page_block(self._check_page(page))
         if isinstance(data, torch.Tensor):
-            src = data.reshape(-1)
-            if src.dtype != torch.uint8:
+            if data.dtype != torch.uint8:
                 raise InvalidArgumentError(
-                    f"page data tensor has dtype {src.dtype}; expected uint8"
+                    f"page data tensor has dtype {data.dtype}; expected uint8"
                 )
+            src = data.reshape(-1)
         else:
-            src = torch.frombuffer(memoryview(data), dtype=torch.uint8) if len(data) else None
+            view = memoryview(data).cast("B")
+            with warnings.catch_warnings():
+                # A read-only buffer (bytes) is only read here.
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else None
         n = 0 if src is None else src.numel()
         if n != self.page_nbytes:
             raise InvalidArgumentError(
                 f"page data has {n} bytes; a page of this pool has exactly {self.page_nbytes}"
             )
-        typed = src.view(self.dtype).view(block.shape) if block.is_contiguous() else None
-        if typed is not None:
-            block.copy_(typed)
-        else:
-            block.copy_(src.view(self.dtype).view(self.layer_num, self.page_size, self.elems))
+        # Byte views on both sides: no alignment demands on the caller's buffer.
+        dst = block.view(torch.uint8)
+        dst.copy_(src.view(dst.shape))
 
 
 class MHATokenToKVPoolHost(HostKVCache):
