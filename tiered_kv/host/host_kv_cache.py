@@ -212,7 +212,11 @@ class HostKVCache:
         Mutates those device slots of that layer only."""
         check_io_backend(io_backend)
         self._check_pool(device_pool, "load_to_device_per_layer")
-        if layer_id not in self.decl.layer_ids:
+        if (
+            isinstance(layer_id, bool)
+            or not isinstance(layer_id, int)
+            or (layer_id not in self.decl.layer_ids)
+        ):
             raise InvalidArgumentError(
                 f"layer_id={layer_id!r} is not held; valid global layer ids are "
                 f"{self.decl.layer_ids[0]}..{self.decl.layer_ids[-1]}"
@@ -268,9 +272,10 @@ class HostKVCache:
         page_first layouts (valid until the page is overwritten or the pool destroyed), a copy
         in layer_first."""
         block = self._page_block(self._check_page(page))
-        if not block.is_contiguous():
-            block = block.contiguous()
-        return block.view(-1).view(torch.uint8)
+        if not self.page_bytes_zero_copy:
+            # layer_first promises a copy even when the block happens to be contiguous (L == 1).
+            block = block.clone(memory_format=torch.contiguous_format)
+        return block.reshape(-1).view(torch.uint8)
 
     def set_page_bytes(
         self, page: int, data: bytes | bytearray | memoryview | torch.Tensor
@@ -324,5 +329,5 @@ def host_pool_for(decl: HostPoolDecl, device_allocator: Any, **kwargs: Any) -> H
         c.expected_kind: c
         for c in (MHATokenToKVPoolHost, MLATokenToKVPoolHost, MHATokenToKOnlyPoolHost)
     }
-    cls = classes.get(decl.kind, HostKVCache)
+    cls = classes.get(getattr(decl, "kind", None), HostKVCache)
     return cls(decl, device_allocator, **kwargs)

@@ -30,6 +30,13 @@ def check_io_backend(io_backend: str) -> str:
     return io_backend
 
 
+def _check_unique(name: str, idx: torch.Tensor) -> None:
+    uniq, counts = torch.unique(idx, return_counts=True)
+    if uniq.numel() != idx.numel():
+        repeated = uniq[counts > 1][:8].tolist()
+        raise InvalidArgumentError(f"{name} repeat slots {repeated}; each slot moves once")
+
+
 class TransferPlan(NamedTuple):
     host: torch.Tensor  # int64, CPU
     device: torch.Tensor  # int64, on the device, already translated to physical slots
@@ -57,15 +64,11 @@ def plan_transfer(
         )
     host = host_indices.to(torch.int64)
     check_range(f"{where}: host_indices", host, 0, host_size)
-    if host.numel() != torch.unique(host).numel():
-        raise InvalidArgumentError(f"{where}: host_indices repeat a slot; each slot moves once")
+    _check_unique(f"{where}: host_indices", host)
     dev = device_indices.to(torch.int64)
     if validate_device_values:
         check_range(f"{where}: device_indices", dev, device_low, device_high)
-        if dev.numel() != torch.unique(dev).numel():
-            raise InvalidArgumentError(
-                f"{where}: device_indices repeat a slot; each slot moves once"
-            )
+        _check_unique(f"{where}: device_indices", dev)
     return TransferPlan(host, dev)
 
 
