@@ -33,9 +33,11 @@ test-fast: $(STAMP)
 
 run: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py --quick
+	$(PY) benchmarks/bench_transfer.py --quick --page-sizes 16,64 --kernel-backends native
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py
+	$(PY) benchmarks/bench_transfer.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check tiered_kv tests benchmarks

@@ -9,6 +9,7 @@ from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.device.pool_decl import HostPart
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, LayoutError
+from tiered_kv.hugepages import empty_zeroed
 
 
 class MHATokenToKVPool(KVCache):
@@ -42,15 +43,11 @@ class MHATokenToKVPool(KVCache):
         # per-layer waits. Zero-filled: the padding slot must hold finite values.
         rows = self.num_slots
         self.k_buffer = [
-            torch.zeros(
-                (rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device
-            )
+            empty_zeroed((rows, self.head_num, self.head_dim), self.store_dtype, self.device)
             for _ in range(self.layer_num)
         ]
         self.v_buffer = [
-            torch.zeros(
-                (rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device
-            )
+            empty_zeroed((rows, self.head_num, self.v_head_dim), self.store_dtype, self.device)
             for _ in range(self.layer_num)
         ]
 
@@ -115,9 +112,7 @@ class MHATokenToKOnlyPool(KVCache):
         self.head_num = check_positive_int("head_num", head_num)
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.k_buffer = [
-            torch.zeros(
-                (self.num_slots, head_num, head_dim), dtype=self.store_dtype, device=self.device
-            )
+            empty_zeroed((self.num_slots, head_num, head_dim), self.store_dtype, self.device)
             for _ in range(layer_num)
         ]
 

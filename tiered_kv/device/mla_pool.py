@@ -9,6 +9,7 @@ from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.device.pool_decl import HostPart
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.hugepages import empty_zeroed
 
 
 class MLATokenToKVPool(KVCache):
@@ -37,9 +38,7 @@ class MLATokenToKVPool(KVCache):
         self.qk_rope_head_dim = check_positive_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [
-            torch.zeros(
-                (self.num_slots, 1, self.kv_cache_dim), dtype=self.store_dtype, device=self.device
-            )
+            empty_zeroed((self.num_slots, 1, self.kv_cache_dim), self.store_dtype, self.device)
             for _ in range(layer_num)
         ]
 

@@ -23,9 +23,31 @@ from tiered_kv.host import layout as layouts
 from tiered_kv.host.allocator import HostSlotAllocator
 from tiered_kv.host.layout import HostLayout
 from tiered_kv.host.memory import HostBuffer, check_available, default_reserve_bytes, host_tokens
-from tiered_kv.host.transfer import check_io_backend, direct_copy, plan_transfer
+from tiered_kv.host.transfer import (
+    TransferPlan,
+    check_io_backend,
+    direct_copy,
+    direct_runs,
+    plan_transfer,
+)
 from tiered_kv.kernels import transfer_kernels
+from tiered_kv.kernels.transfer_native import NativeRowPlan
 from tiered_kv.platform import KernelBackend
+
+
+class _Prepared:
+    """A validated transfer and what the backends derive from it (computed on first use)."""
+
+    __slots__ = ("host_src", "device_src", "versions", "plan", "token_offsets", "runs", "native")
+
+    def __init__(self, host_src: torch.Tensor, device_src: torch.Tensor, plan: TransferPlan):
+        self.host_src = host_src
+        self.device_src = device_src
+        self.versions = (host_src._version, device_src._version)
+        self.plan = plan
+        self.token_offsets: torch.Tensor | None = None
+        self.runs: list[tuple[int, int, int]] | None = None
+        self.native: dict[bool, NativeRowPlan] = {}
 
 
 class HostKVCache:
@@ -99,6 +121,7 @@ class HostKVCache:
             off += part.elems
         self.part_offsets = tuple(offsets)
         self._kernels = transfer_kernels(decl.device, kernel_backend)
+        self._prepared: _Prepared | None = None
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -122,6 +145,7 @@ class HostKVCache:
 
     def destroy(self) -> None:
         """Release the registration and the buffer. Later calls raise StateError."""
+        self._prepared = None
         self._buffer.destroy()
 
     def part_view(self, name: str) -> torch.Tensor:
@@ -150,11 +174,22 @@ class HostKVCache:
                 f"{where}: device_pool is not the pool this host pool mirrors"
             )
 
-    def _plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor, where: str):
+    def _prepare(self, host_indices: torch.Tensor, device_indices: torch.Tensor, where: str):
+        """Validated, translated indices plus what the backends derive from them. A layer-wise
+        load calls this once per layer with the same index tensors, so the last result is kept
+        and reused while both tensors are the same objects, unmodified (``_version``)."""
         self.buffer  # noqa: B018 - raises if destroyed
+        cached = self._prepared
+        if (
+            cached is not None
+            and cached.host_src is host_indices
+            and cached.device_src is device_indices
+            and cached.versions == (host_indices._version, device_indices._version)
+        ):
+            return cached
         physical = self.device_allocator.translate_kv_indices_for_transfer(device_indices)
         device = self.decl.device
-        return plan_transfer(
+        plan = plan_transfer(
             host_indices,
             physical,
             host_size=self.size,
@@ -165,17 +200,36 @@ class HostKVCache:
             or bool(getattr(self.device_allocator, "debug_mode", False)),
             where=where,
         )
+        prepared = _Prepared(host_indices, device_indices, plan)
+        self._prepared = prepared
+        return prepared
 
-    def _run(self, plan, layers: list[int], io_backend: str, to_host: bool) -> None:
+    def _run(self, prepared: _Prepared, layers: list[int], io_backend: str, to_host: bool) -> None:
+        plan = prepared.plan
+        if plan.host.numel() == 0:
+            return
         dev_buffers = [[part.buffer(i) for i in layers] for part in self.decl.parts]
         if io_backend == "direct":
+            if prepared.runs is None:
+                prepared.runs = direct_runs(plan, self.layout, self.page_size)
             views = [
                 layouts.part_view(self.buffer, self.layout, off, part.item_shape)
                 for part, off in zip(self.decl.parts, self.part_offsets, strict=True)
             ]
-            direct_copy(dev_buffers, views, layers, plan, self.layout, self.page_size, to_host)
+            direct_copy(
+                dev_buffers, views, layers, prepared.runs, self.layout, self.page_size, to_host
+            )
             return
-        offsets = layouts.record_offsets(self._strides, self.page_size, plan.host, layers)
+        if prepared.token_offsets is None:
+            prepared.token_offsets = layouts.token_offsets(self._strides, self.page_size, plan.host)
+        if self._kernels.backend is KernelBackend.NATIVE:
+            self._run_native(prepared, layers, to_host)
+            return
+        if len(layers) == 1:
+            offsets = (prepared.token_offsets + layers[0] * self._strides.layer)[None, :]
+        else:
+            layer_part = torch.tensor(layers, dtype=torch.int64) * self._strides.layer
+            offsets = layer_part[:, None] + prepared.token_offsets[None, :]
         self._kernels.transfer_rows(
             dev_buffers,
             self.buffer,
@@ -185,6 +239,29 @@ class HostKVCache:
             to_host,
             token_major=self.layout.token_major,
         )
+
+    def _run_native(self, prepared: _Prepared, layers: list[int], to_host: bool) -> None:
+        """Native copies: block addresses for every layer are computed once per prepared
+        transfer and direction, so the calls of a layer-wise load pay only their copy."""
+        every = list(range(self.layer_num))
+        native = prepared.native.get(to_host)
+        if native is None:
+            layer_part = torch.tensor(every, dtype=torch.int64) * self._strides.layer
+            native = NativeRowPlan(
+                [[part.buffer(i) for i in every] for part in self.decl.parts],
+                self.buffer,
+                prepared.plan.device,
+                layer_part[:, None] + prepared.token_offsets[None, :],
+                self.part_offsets,
+                to_host,
+                token_major=self.layout.token_major,
+            )
+            prepared.native[to_host] = native
+        if layers == every:
+            native.run()
+        else:
+            for layer in layers:
+                native.run(layer)
 
     def backup_from_device_all_layer(
         self,
@@ -197,8 +274,8 @@ class HostKVCache:
         Mutates host slots ``host_indices`` only. Raises on bad input before copying anything."""
         check_io_backend(io_backend)
         self._check_pool(device_pool, "backup_from_device_all_layer")
-        plan = self._plan(host_indices, device_indices, "backup_from_device_all_layer")
-        self._run(plan, list(range(self.layer_num)), io_backend, to_host=True)
+        prepared = self._prepare(host_indices, device_indices, "backup_from_device_all_layer")
+        self._run(prepared, list(range(self.layer_num)), io_backend, to_host=True)
 
     def load_to_device_per_layer(
         self,
@@ -221,9 +298,9 @@ class HostKVCache:
                 f"layer_id={layer_id!r} is not held; valid global layer ids are "
                 f"{self.decl.layer_ids[0]}..{self.decl.layer_ids[-1]}"
             )
-        plan = self._plan(host_indices, device_indices, "load_to_device_per_layer")
+        prepared = self._prepare(host_indices, device_indices, "load_to_device_per_layer")
         local = self.decl.layer_ids.index(layer_id)
-        self._run(plan, [local], io_backend, to_host=False)
+        self._run(prepared, [local], io_backend, to_host=False)
 
     def load_to_device_all_layer(
         self,
@@ -235,8 +312,8 @@ class HostKVCache:
         """Every layer at once (no layer-wise overlap); for tests and bulk restores."""
         check_io_backend(io_backend)
         self._check_pool(device_pool, "load_to_device_all_layer")
-        plan = self._plan(host_indices, device_indices, "load_to_device_all_layer")
-        self._run(plan, list(range(self.layer_num)), io_backend, to_host=False)
+        prepared = self._prepare(host_indices, device_indices, "load_to_device_all_layer")
+        self._run(prepared, list(range(self.layer_num)), io_backend, to_host=False)
 
     # -- pages as bytes (storage tier) --------------------------------------------------------
     @property

@@ -66,14 +66,18 @@ def record_strides(
     return RecordStrides(layers * page * elems, elems, page * elems)
 
 
+def token_offsets(strides: RecordStrides, page: int, host_tokens: torch.Tensor) -> torch.Tensor:
+    """Element offsets of each token's record in layer 0; add ``layer * strides.layer``."""
+    h = host_tokens.to(torch.int64)
+    return (h // page) * strides.page + (h % page) * strides.token
+
+
 def record_offsets(
     strides: RecordStrides, page: int, host_tokens: torch.Tensor, layers: list[int]
 ) -> torch.Tensor:
     """Element offsets of records (layer, token): shape ``(len(layers), n)``, int64."""
-    h = host_tokens.to(torch.int64)
-    token_part = (h // page) * strides.page + (h % page) * strides.token
     layer_part = torch.tensor(layers, dtype=torch.int64) * strides.layer
-    return layer_part[:, None] + token_part[None, :]
+    return layer_part[:, None] + token_offsets(strides, page, host_tokens)[None, :]
 
 
 def part_view(

@@ -7,6 +7,7 @@ import torch
 
 from tiered_kv import platform
 from tiered_kv.errors import BackendUnavailableError, InvalidArgumentError, TieredKVError
+from tiered_kv.hugepages import advise_huge_pages
 
 GIB = 1 << 30
 
@@ -84,6 +85,7 @@ class HostBuffer:
                 "pin=True needs CUDA; this process has none (use pin=None)"
             )
         self.tensor: torch.Tensor | None = torch.empty(shape, dtype=dtype)
+        self.huge_pages = advise_huge_pages(self.tensor)
         self.pinned = False
         if want_pin:
             cudart = torch.cuda.cudart()

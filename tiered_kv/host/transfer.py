@@ -72,19 +72,13 @@ def plan_transfer(
     return TransferPlan(host, dev)
 
 
-def direct_copy(
-    dev_buffers: Sequence[Sequence[torch.Tensor]],
-    host_views: Sequence[torch.Tensor],
-    layers: Sequence[int],
-    plan: TransferPlan,
-    layout: HostLayout,
-    page_size: int,
-    to_host: bool,
-) -> None:
-    """The ``"direct"`` backend. ``dev_buffers[p][j]`` is part p of local layer ``layers[j]``;
-    ``host_views[p]`` is part p's host view (``layout.part_view``)."""
+def direct_runs(
+    plan: TransferPlan, layout: HostLayout, page_size: int
+) -> list[tuple[int, int, int]]:
+    """(host start, device start, length) of the runs where host and device slots are both
+    consecutive, host-sorted; in ``page_first_direct`` a run also ends at a host page boundary."""
     if plan.host.numel() == 0:
-        return
+        return []
     order = torch.argsort(plan.host)
     h = plan.host[order]
     d = plan.device.to(_CPU)[order]
@@ -93,7 +87,20 @@ def direct_copy(
         breaks |= h[1:] % page_size == 0  # a slice of this layout stays inside one page
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks)[:, 0] + 1])
     lengths = torch.diff(torch.cat([starts, torch.tensor([h.numel()])]))
-    runs = list(zip(h[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
+    return list(zip(h[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def direct_copy(
+    dev_buffers: Sequence[Sequence[torch.Tensor]],
+    host_views: Sequence[torch.Tensor],
+    layers: Sequence[int],
+    runs: list[tuple[int, int, int]],
+    layout: HostLayout,
+    page_size: int,
+    to_host: bool,
+) -> None:
+    """The ``"direct"`` backend. ``dev_buffers[p][j]`` is part p of local layer ``layers[j]``;
+    ``host_views[p]`` is part p's host view (``layout.part_view``)."""
     paged = layout is HostLayout.PAGE_FIRST_DIRECT
     for bufs, view in zip(dev_buffers, host_views, strict=True):
         for buf, layer in zip(bufs, layers, strict=True):
