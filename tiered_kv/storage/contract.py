@@ -1,0 +1,132 @@
+"""The storage contract the rest of the system codes against, and the page source it reads.
+
+A store keeps whole host pages under :mod:`keys` keys. Every method is batched; nothing raises
+into the caller for disk or memory trouble (those become per-key failures and counted events);
+bad arguments raise :class:`~tiered_kv.errors.InvalidArgumentError` before anything changes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
+
+
+class PageSource(Protocol):
+    """What a store needs of a host pool: page size in bytes, a page's bytes, filling a page."""
+
+    @property
+    def page_nbytes(self) -> int: ...
+
+    def get_page_bytes(self, page: int) -> torch.Tensor: ...
+
+    def set_page_bytes(self, page: int, data: object) -> None: ...
+
+
+@dataclass
+class StorageStats:
+    """Counters since the store was opened (``pages``/``bytes`` are the store's current size)."""
+
+    pages: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    sets: int = 0
+    set_skipped: int = 0
+    existing_refreshed: int = 0
+    checksum_failures: int = 0
+    evictions: int = 0
+    map_resizes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def count_error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+class PageStorage(abc.ABC):
+    """A page store bound to one namespace and page size."""
+
+    def __init__(self, namespace: StorageNamespace, page_nbytes: int) -> None:
+        if not isinstance(namespace, StorageNamespace):
+            raise InvalidArgumentError("namespace must be a StorageNamespace")
+        if isinstance(page_nbytes, bool) or not isinstance(page_nbytes, int) or page_nbytes < 1:
+            raise InvalidArgumentError(f"page_nbytes={page_nbytes!r} must be an int >= 1")
+        self.namespace = namespace
+        self.page_nbytes = page_nbytes
+
+    # -- argument checks shared by implementations --------------------------------------------
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise InvalidArgumentError("keys must be a sequence of keys, not a single key")
+        out = []
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+                raise InvalidArgumentError(
+                    f"key {k!r:.60} is not a page key ({KEY_BYTES} bytes from storage.keys)"
+                )
+            if not self.namespace.owns(bytes(k)):
+                raise InvalidArgumentError(
+                    f"key {bytes(k)[:16].hex()}... belongs to an unknown namespace; this store "
+                    f"holds namespace {self.namespace.fingerprint.hex()}"
+                )
+            out.append(bytes(k))
+        return out
+
+    def _check_pages(
+        self, keys: list[bytes], source: PageSource, pages: Sequence[int]
+    ) -> list[int]:
+        if source.page_nbytes != self.page_nbytes:
+            raise InvalidArgumentError(
+                f"host pool pages have {source.page_nbytes} bytes; this store holds pages of "
+                f"{self.page_nbytes}"
+            )
+        pages = [int(p) for p in pages]
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(
+                f"{len(keys)} keys but {len(pages)} host pages; they pair up one to one"
+            )
+        return pages
+
+    # -- the contract -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """How many keys from the start are present (stops at the first miss); 0 for []."""
+
+    @abc.abstractmethod
+    def batch_get(
+        self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
+    ) -> list[bool]:
+        """Fill host page ``pages[i]`` with the bytes stored under ``keys[i]``; per key, whether
+        it was served. A page that fails its checksum is deleted, counted and reported False;
+        its host page may hold partial bytes then and must not be used."""
+
+    @abc.abstractmethod
+    def batch_set(
+        self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
+    ) -> list[bool]:
+        """Store host page ``pages[i]`` under ``keys[i]``; per key, whether it is stored now. A
+        key already present is a no-op that refreshes its recency. A full store evicts old pages
+        or skips the write (counted), never raises."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove these keys; the number that were present."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every page of this store's namespace."""
+
+    @abc.abstractmethod
+    def stats(self) -> StorageStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Release resources; the default has none."""
+        return None

@@ -1,0 +1,123 @@
+"""Page keys: a namespace fingerprint followed by a chain of SHA-256 digests over page tokens.
+
+Digest i = SHA-256(digest i-1 || token ids of page i as little-endian uint32); the first page
+chains from ``prior`` (empty by default), so a key names a page *and* everything before it. The
+namespace fingerprint covers the model geometry (pool kind, parts and their shapes, layers),
+the stored dtype, the page size, the host layout and an optional tenant salt: the same tokens
+under another model, layout or tenant never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NewType
+
+import numpy as np
+import torch
+
+from tiered_kv.errors import InvalidArgumentError
+
+PageKey = NewType("PageKey", bytes)
+FINGERPRINT_BYTES = 16
+DIGEST_BYTES = 32
+KEY_BYTES = FINGERPRINT_BYTES + DIGEST_BYTES
+
+
+@dataclass(frozen=True)
+class StorageNamespace:
+    """What a store's pages belong to. ``fingerprint`` prefixes every key and every value."""
+
+    description: str  # canonical JSON of the fields below
+    fingerprint: bytes
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        kind: str,
+        parts: Sequence[tuple[str, Sequence[int]]],
+        dtype: torch.dtype | str,
+        layer_ids: Sequence[int],
+        page_size: int,
+        layout: str,
+        tenant: str | None = None,
+    ) -> StorageNamespace:
+        fields: dict[str, Any] = {
+            "format": 1,
+            "kind": kind,
+            "parts": [[name, list(shape)] for name, shape in parts],
+            "dtype": str(dtype),
+            "layer_ids": list(layer_ids),
+            "page_size": int(page_size),
+            "layout": str(layout),
+            "tenant": tenant,
+        }
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
+        return cls(text, digest)
+
+    @classmethod
+    def for_host_pool(cls, host_pool: Any, tenant: str | None = None) -> StorageNamespace:
+        """The namespace of a host pool's pages (its declaration, layout and page size)."""
+        decl = host_pool.decl
+        return cls.create(
+            kind=decl.kind,
+            parts=[(p.name, p.item_shape) for p in decl.parts],
+            dtype=decl.dtype,
+            layer_ids=decl.layer_ids,
+            page_size=decl.page_size,
+            layout=host_pool.layout.value,
+            tenant=tenant,
+        )
+
+    def owns(self, key: bytes) -> bool:
+        return len(key) == KEY_BYTES and key[:FINGERPRINT_BYTES] == self.fingerprint
+
+
+def _token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        arr = tokens.detach().cpu().numpy()
+    else:
+        arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgumentError(
+            f"tokens must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise InvalidArgumentError("token ids must fit in uint32 (0 .. 4294967295)")
+    return arr.astype("<u4", copy=False)
+
+
+def page_digests(
+    tokens: Sequence[int] | np.ndarray | torch.Tensor, page_size: int, prior: bytes = b""
+) -> list[bytes]:
+    """The chained digest of every *full* page of ``tokens`` (a partial last page has none),
+    continuing from ``prior`` (the digest of the page before ``tokens[0]``, or empty)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise InvalidArgumentError(f"page_size={page_size!r} must be an int >= 1")
+    if prior and len(prior) != DIGEST_BYTES:
+        raise InvalidArgumentError(f"prior digest has {len(prior)} bytes; expected {DIGEST_BYTES}")
+    arr = _token_array(tokens)
+    out, prev = [], prior
+    for i in range(arr.size // page_size):
+        prev = hashlib.sha256(prev + arr[i * page_size : (i + 1) * page_size].tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+def page_keys(
+    namespace: StorageNamespace,
+    tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    page_size: int,
+    prior: bytes = b"",
+) -> list[PageKey]:
+    """Storage keys of every full page of ``tokens`` under ``namespace``."""
+    return [PageKey(namespace.fingerprint + d) for d in page_digests(tokens, page_size, prior)]
+
+
+def digest_of(key: bytes) -> bytes:
+    """The chain digest inside a key (to continue the chain from it)."""
+    return key[FINGERPRINT_BYTES:]

@@ -1,0 +1,372 @@
+"""LMDBStorage: the embedded page store, safe across processes, crashes and restarts.
+
+One LMDB environment (a directory) holds four named databases:
+- ``pages``:   key -> the page bytes, written straight from the host page (one copy);
+- ``headers``: key -> magic, version, namespace fingerprint, length, xxh3-64 checksum, tick;
+- ``lru``:     big-endian tick + key -> empty, ordered oldest first (approximate LRU that
+  survives restart);
+- ``meta``:    the recency clock and the bytes in use, updated in the same transactions.
+A page and its header are written in one transaction, so a reader sees both or neither; every
+read verifies the header and checksum, and a page that fails is deleted, counted and missed.
+Reads refresh recency in memory; the refresh reaches LMDB with the next write (or ``flush``).
+The map grows as needed up to ``budget_bytes``; a full map or disk evicts old pages or skips the
+write and counts it, never raising into the caller. LMDB's own locks make several processes on
+one directory safe; an instance used after ``fork`` reopens the environment in the child.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+
+from tiered_kv.errors import InvalidArgumentError, TieredKVError
+from tiered_kv.storage import value_format
+from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats
+from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
+
+_U64 = struct.Struct("<Q")
+_TICK = b"tick"
+_USED = b"used"
+# Per-record bookkeeping beside the page bytes: header, lru entry, keys, LMDB node overhead.
+_OVERHEAD = value_format.HEADER_BYTES + 3 * KEY_BYTES + 8 + 96
+_MIN_MAP = 32 << 20
+_FLUSH_EVERY = 256
+
+
+class StorageOpenError(TieredKVError):
+    """The store directory cannot be created, opened or written. The message says which path."""
+
+
+def _u64(raw: bytes | memoryview | None) -> int:
+    return 0 if raw is None else _U64.unpack(bytes(raw))[0]
+
+
+class LMDBStorage(PageStorage):
+    """``path``: the store directory; ``budget_bytes``: the most disk it may use (the LMDB map
+    never grows past it). ``durable=True`` fsyncs every commit (off by default: a process crash
+    loses nothing either way, an OS crash may lose recent writes, which checksums then reject)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        namespace: StorageNamespace,
+        page_nbytes: int,
+        *,
+        budget_bytes: int,
+        durable: bool = False,
+        readahead: bool = True,
+        writemap: bool = True,
+    ) -> None:
+        super().__init__(namespace, page_nbytes)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+            raise InvalidArgumentError(f"budget_bytes={budget_bytes!r} must be an int")
+        if budget_bytes < 4 * self._record_bytes() + _MIN_MAP // 4:
+            raise InvalidArgumentError(
+                f"budget_bytes={budget_bytes} is too small for pages of {page_nbytes} bytes; "
+                f"give at least {4 * self._record_bytes() + _MIN_MAP // 4}"
+            )
+        self.path = Path(path)
+        self.budget_bytes = budget_bytes
+        self._options = dict(durable=durable, readahead=readahead, writemap=writemap)
+        self._lock = threading.RLock()
+        self._stats = StorageStats(budget_bytes=budget_bytes)
+        self._touched: dict[bytes, None] = {}
+        self._open()
+
+    # -- environment --------------------------------------------------------------------------
+    def _record_bytes(self) -> int:
+        return self.page_nbytes + _OVERHEAD
+
+    def _open(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageOpenError(f"cannot create store directory {self.path}: {exc}") from exc
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise StorageOpenError(f"store directory {self.path} is not writable")
+        data = self.path / "data.mdb"
+        start = max(_MIN_MAP, data.stat().st_size if data.exists() else 0)
+        opts = self._options
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=min(self.budget_bytes, start),
+                max_dbs=4,
+                subdir=True,
+                writemap=opts["writemap"],
+                sync=opts["durable"],
+                metasync=opts["durable"],
+                map_async=not opts["durable"],
+                readahead=opts["readahead"],
+                max_readers=256,
+            )
+        except lmdb.Error as exc:
+            raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+        self._pages = self._env.open_db(b"pages")
+        self._headers = self._env.open_db(b"headers")
+        self._lru = self._env.open_db(b"lru")
+        self._meta = self._env.open_db(b"meta")
+        self._pid = os.getpid()
+
+    def _env_for_this_process(self) -> lmdb.Environment:
+        # An LMDB environment must not be used across fork: the child opens its own.
+        if os.getpid() != self._pid:
+            self._touched = {}
+            self._open()
+        return self._env
+
+    def _grow(self) -> bool:
+        """Double the map, up to the budget. False when it is already there."""
+        size = self._env.info()["map_size"]
+        if size >= self.budget_bytes:
+            return False
+        self._env.set_mapsize(min(self.budget_bytes, size * 2))
+        self._stats.map_resizes += 1
+        return True
+
+    def _write(self, fn, what: str):
+        """Run ``fn(txn)`` in one write transaction, growing the map on MapFull and adopting a
+        size another process set. Disk trouble is counted and returns None."""
+        env = self._env_for_this_process()
+        for _ in range(64):
+            try:
+                with env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.MapFullError:
+                if not self._grow():
+                    raise
+            except (lmdb.DiskError, lmdb.Error, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno not in (
+                    errno.ENOSPC,
+                    errno.EDQUOT,
+                    errno.EIO,
+                ):
+                    raise
+                self._stats.count_error(f"{what}: {type(exc).__name__}")
+                return None
+        return None
+
+    # -- bookkeeping inside a write transaction -----------------------------------------------
+    def _next_tick(self, txn: lmdb.Transaction) -> int:
+        tick = _u64(txn.get(_TICK, db=self._meta)) + 1
+        txn.put(_TICK, _U64.pack(tick), db=self._meta)
+        return tick
+
+    def _add_used(self, txn: lmdb.Transaction, delta: int) -> int:
+        used = max(0, _u64(txn.get(_USED, db=self._meta)) + delta)
+        txn.put(_USED, _U64.pack(used), db=self._meta)
+        return used
+
+    def _touch(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        raw = txn.get(key, db=self._headers)
+        header = value_format.unpack(raw) if raw is not None else None
+        if header is None:
+            return False
+        tick = self._next_tick(txn)
+        txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
+        txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
+        txn.put(key, value_format.with_tick(bytes(raw), tick), db=self._headers)
+        return True
+
+    def _remove(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        raw = txn.get(key, db=self._headers)
+        if raw is None and txn.get(key, db=self._pages) is None:
+            return False
+        header = value_format.unpack(raw) if raw is not None else None
+        if header is not None:
+            txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
+            self._add_used(txn, -(header.length + _OVERHEAD))
+        txn.delete(key, db=self._headers)
+        txn.delete(key, db=self._pages)
+        return True
+
+    def _evict_for(self, txn: lmdb.Transaction, need: int) -> bool:
+        """Evict oldest pages (any namespace) until ``need`` more bytes fit the budget."""
+        limit = self.budget_bytes * 9 // 10  # keep headroom for LMDB's own pages
+        used = _u64(txn.get(_USED, db=self._meta))
+        cursor = txn.cursor(db=self._lru)
+        while used + need > limit:
+            if not cursor.first():
+                return False
+            key = bytes(cursor.key())[8:]
+            cursor.delete()
+            raw = txn.get(key, db=self._headers)
+            header = value_format.unpack(raw) if raw is not None else None
+            txn.delete(key, db=self._headers)
+            txn.delete(key, db=self._pages)
+            freed = (header.length if header else self.page_nbytes) + _OVERHEAD
+            used = self._add_used(txn, -freed)
+            self._stats.evictions += 1
+        return True
+
+    def _evict_fraction(self, denominator: int) -> None:
+        def evict(txn: lmdb.Transaction) -> None:
+            used = _u64(txn.get(_USED, db=self._meta))
+            self._evict_for(txn, self.budget_bytes * 9 // 10 - used + used // denominator)
+
+        try:
+            self._write(evict, "evict")
+        except lmdb.MapFullError:
+            self._stats.count_error("evict: map full")
+
+    def _flush_touched(self, txn: lmdb.Transaction) -> None:
+        touched, self._touched = self._touched, {}
+        for key in touched:
+            self._touch(txn, key)
+
+    # -- the contract -------------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        keys = self._check_keys(keys)
+        with self._lock:
+            env = self._env_for_this_process()
+            with env.begin(buffers=True) as txn:
+                n = 0
+                for key in keys:
+                    if txn.get(key, db=self._headers) is None:
+                        break
+                    n += 1
+                return n
+
+    def batch_get(
+        self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
+    ) -> list[bool]:
+        keys = self._check_keys(keys)
+        pages = self._check_pages(keys, source, pages)
+        out: list[bool] = []
+        bad: list[bytes] = []
+        fp = self.namespace.fingerprint
+        with self._lock:
+            env = self._env_for_this_process()
+            with env.begin(buffers=True) as txn:
+                for key, page in zip(keys, pages, strict=True):
+                    self._stats.gets += 1
+                    raw = txn.get(key, db=self._headers)
+                    payload = txn.get(key, db=self._pages)
+                    if raw is None or payload is None:
+                        self._stats.misses += 1
+                        out.append(False)
+                        continue
+                    if len(payload) != self.page_nbytes or not value_format.verify(
+                        value_format.unpack(raw), fp, payload
+                    ):
+                        bad.append(key)
+                        self._stats.checksum_failures += 1
+                        self._stats.misses += 1
+                        out.append(False)
+                        continue
+                    # One copy: from LMDB's map straight into the host page.
+                    source.set_page_bytes(page, payload)
+                    self._touched[key] = None
+                    self._stats.hits += 1
+                    out.append(True)
+            if bad:
+                self._write(lambda txn: [self._remove(txn, k) for k in bad], "delete corrupt")
+            if len(self._touched) >= _FLUSH_EVERY:
+                self._write(self._flush_touched, "recency")
+        return out
+
+    def batch_set(
+        self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
+    ) -> list[bool]:
+        keys = self._check_keys(keys)
+        pages = self._check_pages(keys, source, pages)
+        fp = self.namespace.fingerprint
+
+        def write(txn: lmdb.Transaction) -> list[bool]:
+            self._flush_touched(txn)
+            done = []
+            for key, page in zip(keys, pages, strict=True):
+                if self._touch(txn, key):
+                    self._stats.existing_refreshed += 1
+                    done.append(True)
+                    continue
+                if not self._evict_for(txn, self._record_bytes()):
+                    done.append(False)
+                    continue
+                view = memoryview(source.get_page_bytes(page).numpy())
+                tick = self._next_tick(txn)
+                txn.put(key, view, db=self._pages)
+                txn.put(key, value_format.pack(fp, view, tick), db=self._headers)
+                txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
+                self._add_used(txn, self._record_bytes())
+                done.append(True)
+            return done
+
+        with self._lock:
+            self._stats.sets += len(keys)
+            result = None
+            for attempt in range(2):
+                try:
+                    result = self._write(write, "batch_set")
+                    break
+                except lmdb.MapFullError:
+                    # At the budget with the map fragmented: free an eighth of the store, retry.
+                    self._stats.count_error("batch_set: map full at budget")
+                    if attempt == 0:
+                        self._evict_fraction(8)
+            if result is None:
+                self._stats.set_skipped += len(keys)
+                return [False] * len(keys)
+            self._stats.set_skipped += result.count(False)
+            return result
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        keys = self._check_keys(keys)
+        with self._lock:
+            removed = self._write(lambda txn: sum(self._remove(txn, k) for k in keys), "delete")
+            return removed or 0
+
+    def clear(self) -> None:
+        fp = self.namespace.fingerprint
+
+        def wipe(txn: lmdb.Transaction) -> None:
+            cursor = txn.cursor(db=self._headers)
+            keys = []
+            if cursor.set_range(fp):
+                for key in cursor.iternext(values=False):
+                    if not bytes(key).startswith(fp):
+                        break
+                    keys.append(bytes(key))
+            for key in keys:
+                self._remove(txn, key)
+
+        with self._lock:
+            self._touched = {}
+            self._write(wipe, "clear")
+
+    def flush(self) -> None:
+        """Write pending recency refreshes to LMDB and sync the map to disk."""
+        with self._lock:
+            if self._touched:
+                self._write(self._flush_touched, "recency")
+            self._env_for_this_process().sync(True)
+
+    def stats(self) -> StorageStats:
+        with self._lock:
+            env = self._env_for_this_process()
+            with env.begin() as txn:
+                self._stats.pages = txn.stat(self._headers)["entries"]
+                self._stats.bytes = _u64(txn.get(_USED, db=self._meta))
+            return StorageStats(**{**self._stats.__dict__, "errors": dict(self._stats.errors)})
+
+    def disk_bytes(self) -> int:
+        """Size of the data file on disk."""
+        data = self.path / "data.mdb"
+        return data.stat().st_size if data.exists() else 0
+
+    def close(self) -> None:
+        with self._lock:
+            if os.getpid() == self._pid and self._env is not None:
+                try:
+                    self.flush()
+                finally:
+                    self._env.close()
+            self._env = None  # type: ignore[assignment]
