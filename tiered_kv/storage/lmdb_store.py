@@ -298,7 +298,11 @@ class LMDBStorage(PageStorage):
                 txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
                 self._add_used(txn, self._record_bytes())
                 done.append(True)
-            return done
+            # A batch larger than the budget evicts its own first pages: report what stayed.
+            headers = self._headers
+            return [
+                ok and txn.get(k, db=headers) is not None for ok, k in zip(done, keys, strict=True)
+            ]
 
         with self._lock:
             self._stats.sets += len(keys)
