@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
@@ -19,10 +20,14 @@ from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
 
 
 class PageSource(Protocol):
-    """What a store needs of a host pool: page size in bytes, a page's bytes, filling a page."""
+    """What a store needs of a host pool: page count and size in bytes, a page's bytes (a view
+    where possible), and filling a page from bytes."""
 
     @property
     def page_nbytes(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
 
     def get_page_bytes(self, page: int) -> torch.Tensor: ...
 
@@ -88,10 +93,23 @@ class PageStorage(abc.ABC):
                 f"host pool pages have {source.page_nbytes} bytes; this store holds pages of "
                 f"{self.page_nbytes}"
             )
+        if isinstance(pages, torch.Tensor):
+            pages = pages.tolist()
+        pages = list(pages)
+        if any(
+            isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)) for p in pages
+        ):
+            raise InvalidArgumentError(f"host pages must be ints, got {pages[:8]}")
         pages = [int(p) for p in pages]
         if len(pages) != len(keys):
             raise InvalidArgumentError(
                 f"{len(keys)} keys but {len(pages)} host pages; they pair up one to one"
+            )
+        bad = [p for p in pages if not 0 <= p < source.num_pages]
+        if bad:
+            raise InvalidArgumentError(
+                f"host pages {bad[:8]} are not pages of the source; valid pages are "
+                f"0..{source.num_pages - 1}"
             )
         return pages
 

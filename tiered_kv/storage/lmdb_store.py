@@ -33,10 +33,29 @@ from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
 _U64 = struct.Struct("<Q")
 _TICK = b"tick"
 _USED = b"used"
-# Per-record bookkeeping beside the page bytes: header, lru entry, keys, LMDB node overhead.
-_OVERHEAD = value_format.HEADER_BYTES + 3 * KEY_BYTES + 8 + 96
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
+_NODE = 16  # LMDB's per-entry node header, rounded up
+# Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
+# and the pages the last two snapshots still hold.
+_FILL = 3 / 4
+
+# One environment per (directory, process): LMDB refuses to open a directory twice in a process.
+_ENVS: dict[tuple[str, int], list] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def record_cost(payload: int, psize: int = 4096) -> int:
+    """Disk bytes one stored page is charged: the payload on whole overflow pages (or twice its
+    leaf size when it is small enough to sit in a leaf: leaves may be half full), plus its header
+    and LRU entries, likewise doubled."""
+    if payload + KEY_BYTES + _NODE > psize // 2:
+        data = -(-(payload + _NODE) // psize) * psize
+    else:
+        data = 2 * (payload + KEY_BYTES + _NODE)
+    header = 2 * (value_format.HEADER_BYTES + KEY_BYTES + _NODE)
+    lru = 2 * (8 + KEY_BYTES + _NODE)
+    return data + header + lru
 
 
 class StorageOpenError(TieredKVError):
@@ -81,7 +100,7 @@ class LMDBStorage(PageStorage):
 
     # -- environment --------------------------------------------------------------------------
     def _record_bytes(self) -> int:
-        return self.page_nbytes + _OVERHEAD
+        return record_cost(self.page_nbytes)
 
     def _open(self) -> None:
         try:
@@ -93,21 +112,29 @@ class LMDBStorage(PageStorage):
         data = self.path / "data.mdb"
         start = max(_MIN_MAP, data.stat().st_size if data.exists() else 0)
         opts = self._options
-        try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=min(self.budget_bytes, start),
-                max_dbs=4,
-                subdir=True,
-                writemap=opts["writemap"],
-                sync=opts["durable"],
-                metasync=opts["durable"],
-                map_async=not opts["durable"],
-                readahead=opts["readahead"],
-                max_readers=256,
-            )
-        except lmdb.Error as exc:
-            raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+        key = (os.path.realpath(self.path), os.getpid())
+        with _ENVS_LOCK:
+            entry = _ENVS.get(key)
+            if entry is None:
+                try:
+                    env = lmdb.open(
+                        str(self.path),
+                        map_size=min(self.budget_bytes, start),
+                        max_dbs=4,
+                        subdir=True,
+                        writemap=opts["writemap"],
+                        sync=opts["durable"],
+                        metasync=opts["durable"],
+                        map_async=not opts["durable"],
+                        readahead=opts["readahead"],
+                        max_readers=256,
+                    )
+                except lmdb.Error as exc:
+                    raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+                entry = _ENVS[key] = [env, 0]
+            entry[1] += 1
+        self._env = entry[0]
+        self._env_key = key
         self._pages = self._env.open_db(b"pages")
         self._headers = self._env.open_db(b"headers")
         self._lru = self._env.open_db(b"lru")
@@ -115,11 +142,30 @@ class LMDBStorage(PageStorage):
         self._pid = os.getpid()
 
     def _env_for_this_process(self) -> lmdb.Environment:
-        # An LMDB environment must not be used across fork: the child opens its own.
+        # An LMDB environment must not be used across fork: the child closes the one it
+        # inherited (LMDB then clears only its own reader slots) and opens its own.
         if os.getpid() != self._pid:
+            with _ENVS_LOCK:
+                inherited = _ENVS.pop(self._env_key, None)
+            if inherited is not None:
+                try:
+                    inherited[0].close()
+                except lmdb.Error:
+                    pass
             self._touched = {}
             self._open()
         return self._env
+
+    def _read(self, fn):
+        """Run ``fn(txn)`` in a read transaction, adopting a map another process grew."""
+        env = self._env_for_this_process()
+        for _ in range(8):
+            try:
+                with env.begin(buffers=True) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+        raise StorageOpenError(f"LMDB store at {self.path} keeps resizing under this reader")
 
     def _grow(self) -> bool:
         """Double the map, up to the budget. False when it is already there."""
@@ -135,9 +181,12 @@ class LMDBStorage(PageStorage):
         size another process set. Disk trouble is counted and returns None."""
         env = self._env_for_this_process()
         for _ in range(64):
+            self._pending_evictions = 0
             try:
                 with env.begin(write=True) as txn:
-                    return fn(txn)
+                    result = fn(txn)
+                self._stats.evictions += self._pending_evictions
+                return result
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.MapFullError:
@@ -183,14 +232,14 @@ class LMDBStorage(PageStorage):
         header = value_format.unpack(raw) if raw is not None else None
         if header is not None:
             txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
-            self._add_used(txn, -(header.length + _OVERHEAD))
+            self._add_used(txn, -record_cost(header.length))
         txn.delete(key, db=self._headers)
         txn.delete(key, db=self._pages)
         return True
 
     def _evict_for(self, txn: lmdb.Transaction, need: int) -> bool:
         """Evict oldest pages (any namespace) until ``need`` more bytes fit the budget."""
-        limit = self.budget_bytes * 9 // 10  # keep headroom for LMDB's own pages
+        limit = int(self.budget_bytes * _FILL)
         used = _u64(txn.get(_USED, db=self._meta))
         cursor = txn.cursor(db=self._lru)
         while used + need > limit:
@@ -202,18 +251,22 @@ class LMDBStorage(PageStorage):
             header = value_format.unpack(raw) if raw is not None else None
             txn.delete(key, db=self._headers)
             txn.delete(key, db=self._pages)
-            freed = (header.length if header else self.page_nbytes) + _OVERHEAD
+            freed = record_cost(header.length if header else self.page_nbytes)
             used = self._add_used(txn, -freed)
-            self._stats.evictions += 1
+            self._pending_evictions += 1
         return True
 
     def _evict_fraction(self, denominator: int) -> None:
+        """Free ``1/denominator`` of the store in its own transaction, then commit an empty one:
+        LMDB reuses freed pages only once no snapshot (the last two commits) still holds them."""
+
         def evict(txn: lmdb.Transaction) -> None:
             used = _u64(txn.get(_USED, db=self._meta))
-            self._evict_for(txn, self.budget_bytes * 9 // 10 - used + used // denominator)
+            self._evict_for(txn, int(self.budget_bytes * _FILL) - used + used // denominator)
 
         try:
             self._write(evict, "evict")
+            self._write(lambda txn: self._next_tick(txn), "evict")
         except lmdb.MapFullError:
             self._stats.count_error("evict: map full")
 
@@ -225,15 +278,17 @@ class LMDBStorage(PageStorage):
     # -- the contract -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
+
+        def count(txn: lmdb.Transaction) -> int:
+            n = 0
+            for key in keys:
+                if txn.get(key, db=self._headers) is None:
+                    break
+                n += 1
+            return n
+
         with self._lock:
-            env = self._env_for_this_process()
-            with env.begin(buffers=True) as txn:
-                n = 0
-                for key in keys:
-                    if txn.get(key, db=self._headers) is None:
-                        break
-                    n += 1
-                return n
+            return self._read(count)
 
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
@@ -243,30 +298,32 @@ class LMDBStorage(PageStorage):
         out: list[bool] = []
         bad: list[bytes] = []
         fp = self.namespace.fingerprint
+
+        def serve(txn: lmdb.Transaction) -> None:
+            for key, page in zip(keys, pages, strict=True):
+                self._stats.gets += 1
+                raw = txn.get(key, db=self._headers)
+                payload = txn.get(key, db=self._pages)
+                if raw is None or payload is None:
+                    self._stats.misses += 1
+                    out.append(False)
+                    continue
+                if len(payload) != self.page_nbytes or not value_format.verify(
+                    value_format.unpack(raw), fp, payload
+                ):
+                    bad.append(key)
+                    self._stats.checksum_failures += 1
+                    self._stats.misses += 1
+                    out.append(False)
+                    continue
+                # One copy: from LMDB's map straight into the host page.
+                source.set_page_bytes(page, payload)
+                self._touched[key] = None
+                self._stats.hits += 1
+                out.append(True)
+
         with self._lock:
-            env = self._env_for_this_process()
-            with env.begin(buffers=True) as txn:
-                for key, page in zip(keys, pages, strict=True):
-                    self._stats.gets += 1
-                    raw = txn.get(key, db=self._headers)
-                    payload = txn.get(key, db=self._pages)
-                    if raw is None or payload is None:
-                        self._stats.misses += 1
-                        out.append(False)
-                        continue
-                    if len(payload) != self.page_nbytes or not value_format.verify(
-                        value_format.unpack(raw), fp, payload
-                    ):
-                        bad.append(key)
-                        self._stats.checksum_failures += 1
-                        self._stats.misses += 1
-                        out.append(False)
-                        continue
-                    # One copy: from LMDB's map straight into the host page.
-                    source.set_page_bytes(page, payload)
-                    self._touched[key] = None
-                    self._stats.hits += 1
-                    out.append(True)
+            self._read(serve)
             if bad:
                 self._write(lambda txn: [self._remove(txn, k) for k in bad], "delete corrupt")
             if len(self._touched) >= _FLUSH_EVERY:
@@ -315,7 +372,7 @@ class LMDBStorage(PageStorage):
                     # At the budget with the map fragmented: free an eighth of the store, retry.
                     self._stats.count_error("batch_set: map full at budget")
                     if attempt == 0:
-                        self._evict_fraction(8)
+                        self._evict_fraction(4)
             if result is None:
                 self._stats.set_skipped += len(keys)
                 return [False] * len(keys)
@@ -354,11 +411,12 @@ class LMDBStorage(PageStorage):
             self._env_for_this_process().sync(True)
 
     def stats(self) -> StorageStats:
+        def read(txn: lmdb.Transaction) -> None:
+            self._stats.pages = txn.stat(self._headers)["entries"]
+            self._stats.bytes = _u64(txn.get(_USED, db=self._meta))
+
         with self._lock:
-            env = self._env_for_this_process()
-            with env.begin() as txn:
-                self._stats.pages = txn.stat(self._headers)["entries"]
-                self._stats.bytes = _u64(txn.get(_USED, db=self._meta))
+            self._read(read)
             return StorageStats(**{**self._stats.__dict__, "errors": dict(self._stats.errors)})
 
     def disk_bytes(self) -> int:
@@ -367,10 +425,20 @@ class LMDBStorage(PageStorage):
         return data.stat().st_size if data.exists() else 0
 
     def close(self) -> None:
+        """Flush recency, sync, and release this process's environment when its last store on
+        the directory closes. Safe to call twice."""
         with self._lock:
-            if os.getpid() == self._pid and self._env is not None:
+            if self._env is None:
+                return
+            if os.getpid() == self._pid:
                 try:
                     self.flush()
                 finally:
-                    self._env.close()
+                    with _ENVS_LOCK:
+                        entry = _ENVS.get(self._env_key)
+                        if entry is not None:
+                            entry[1] -= 1
+                            if entry[1] <= 0:
+                                del _ENVS[self._env_key]
+                                entry[0].close()
             self._env = None  # type: ignore[assignment]

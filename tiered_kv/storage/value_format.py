@@ -1,5 +1,6 @@
 """The record stored beside every page: magic, format version, namespace fingerprint, payload
-length and an xxh3-64 checksum of the payload. Readers verify all of it before serving a page."""
+length, an xxh3-64 checksum of the payload, the recency tick, and an xxh32 of those fields (so a
+flipped byte anywhere in the header is caught too). Readers verify all of it before serving."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import xxhash
 MAGIC = b"TKVP"
 VERSION = 1
 # magic, version, flags, fingerprint, payload length, checksum, recency tick
-_HEADER = struct.Struct("<4sHH16sQQQ")
-HEADER_BYTES = _HEADER.size
+_FIELDS = struct.Struct("<4sHH16sQQQ")
+_CHECK = struct.Struct("<I4x")
+HEADER_BYTES = _FIELDS.size + _CHECK.size
 
 
 class Header(NamedTuple):
@@ -26,21 +28,31 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def _seal(fields: bytes) -> bytes:
+    return fields + _CHECK.pack(xxhash.xxh32_intdigest(fields))
+
+
 def pack(fingerprint: bytes, payload: memoryview | bytes, tick: int) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, fingerprint, len(payload), checksum(payload), tick)
+    return _seal(
+        _FIELDS.pack(MAGIC, VERSION, 0, fingerprint, len(payload), checksum(payload), tick)
+    )
 
 
 def with_tick(header: bytes, tick: int) -> bytes:
-    """The same header with a new recency tick (the checksum is kept, not recomputed)."""
-    magic, version, flags, fp, length, csum, _ = _HEADER.unpack(header)
-    return _HEADER.pack(magic, version, flags, fp, length, csum, tick)
+    """The same header with a new recency tick (the payload checksum is kept, not recomputed)."""
+    magic, version, flags, fp, length, csum, _ = _FIELDS.unpack(bytes(header[: _FIELDS.size]))
+    return _seal(_FIELDS.pack(magic, version, flags, fp, length, csum, tick))
 
 
 def unpack(header: bytes | memoryview) -> Header | None:
-    """The header's fields, or None if it is not a header of this format."""
+    """The header's fields, or None if it is not an intact header of this format."""
     if len(header) != HEADER_BYTES:
         return None
-    magic, version, _flags, fp, length, csum, tick = _HEADER.unpack(header)
+    raw = bytes(header)
+    fields = raw[: _FIELDS.size]
+    if _CHECK.unpack(raw[_FIELDS.size :])[0] != xxhash.xxh32_intdigest(fields):
+        return None
+    magic, version, _flags, fp, length, csum, tick = _FIELDS.unpack(fields)
     if magic != MAGIC or version != VERSION:
         return None
     return Header(fp, length, csum, tick)

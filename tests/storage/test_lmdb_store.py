@@ -1,0 +1,408 @@
+"""LMDBStorage specifics: restart, corruption, budget, open errors, several processes, SIGKILL,
+fork."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import stat
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from tiered_kv.errors import InvalidArgumentError, TieredKVError
+from tiered_kv.storage import LMDBStorage, StorageNamespace, StorageOpenError, page_keys
+
+from ._util import (
+    ByteSource,
+    P,
+    byte_namespace,
+    expected_bytes,
+    fill_for_keys,
+    make_host,
+    min_lmdb_budget,
+    raw_key,
+)
+
+BUDGET = 64 << 20
+
+
+@pytest.fixture
+def host(gen):
+    return make_host(gen, host_pages=16)
+
+
+@pytest.fixture
+def ns(host):
+    return StorageNamespace.for_host_pool(host)
+
+
+def _keys(ns, n, seed=0):
+    toks = np.random.default_rng(seed).integers(0, 2**32, size=n * P, dtype=np.uint64)
+    return page_keys(ns, toks.tolist(), P)
+
+
+def test_restart_serves_everything(tmp_path, host, ns):
+    keys = _keys(ns, 8)
+    store = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    assert store.batch_set(keys, host, list(range(8))) == [True] * 8
+    before = host.buffer.clone()
+    store.close()
+    again = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    try:
+        assert again.batch_exists(keys) == 8
+        assert again.stats().pages == 8
+        assert again.batch_get(keys, host, list(range(8, 16))) == [True] * 8
+        for i in range(8):
+            assert torch.equal(
+                host.get_page_bytes(8 + i),
+                before[i * P : (i + 1) * P].reshape(-1).view(torch.uint8),
+            )
+        # Recency and accounting survived too: more writes work.
+        assert again.batch_set(_keys(ns, 4, seed=1), host, [0, 1, 2, 3]) == [True] * 4
+    finally:
+        again.close()
+
+
+def _flip(path, db: bytes, key: bytes, offset: int) -> None:
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    try:
+        handle = env.open_db(db)
+        with env.begin(write=True) as txn:
+            value = bytearray(txn.get(key, db=handle))
+            value[offset] ^= 0x5A
+            txn.put(key, bytes(value), db=handle)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(
+    "db,offset",
+    [(b"pages", 0), (b"pages", -1), (b"headers", 0), (b"headers", 30), (b"headers", 44)],
+    ids=["page-first-byte", "page-last-byte", "header-magic", "header-checksum", "header-tick"],
+)
+def test_corrupt_value_is_a_miss_and_deleted(tmp_path, host, ns, db, offset):
+    keys = _keys(ns, 5)
+    path = tmp_path / "s"
+    store = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+    assert store.batch_set(keys, host, list(range(5))) == [True] * 5
+    store.close()
+    _flip(path, db, keys[2], offset)
+    store = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+    try:
+        untouched = host.get_page_bytes(12).clone()
+        got = store.batch_get(keys, host, [10, 11, 12, 13, 14])
+        assert got == [True, True, False, True, True]
+        s = store.stats()
+        assert s.checksum_failures == 1
+        assert s.misses == 1 and s.hits == 4
+        assert store.batch_exists(keys) == 2  # the corrupt page was deleted
+        assert store.batch_exists(keys[3:]) == 2
+        assert s.pages == 4 or store.stats().pages == 4
+        for src, dst in ((0, 10), (1, 11), (3, 13), (4, 14)):
+            assert torch.equal(host.get_page_bytes(dst), host.get_page_bytes(src))
+        if db == b"headers" and offset == 0:
+            assert torch.equal(host.get_page_bytes(12), untouched)
+        # The key can be written again and is then served.
+        assert store.batch_set(keys[2:3], host, [2]) == [True]
+        assert store.batch_get(keys[2:3], host, [12]) == [True]
+        assert torch.equal(host.get_page_bytes(12), host.get_page_bytes(2))
+        assert store.stats().checksum_failures == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("nbytes", [768, 3072, 16 * 4096 - 16])
+def test_budget_is_kept_and_newest_pages_stay(tmp_path, nbytes):
+    ns = byte_namespace(nbytes)
+    minimum = min_lmdb_budget(tmp_path, ns, nbytes)
+    budget = minimum + 4 * (nbytes + 300)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=budget)
+    src = ByteSource(nbytes, 64)
+    total = 3 * budget // nbytes + 64  # far more pages than fit
+    batch, written = 32, 0
+    results = []
+    try:
+        while written < total:
+            keys = [raw_key(ns, f"p{j}") for j in range(written, written + batch)]
+            fill_for_keys(src, keys, range(batch))
+            results.append(store.batch_set(keys, src, list(range(batch))))  # never raises
+            written += batch
+            s = store.stats()
+            assert s.bytes <= budget
+            assert store.disk_bytes() <= budget
+        s = store.stats()
+        assert s.evictions > 0
+        assert s.bytes <= budget and store.disk_bytes() <= budget
+        assert results[-1] == [True] * batch, (
+            f"newest batch not stored: {results[-1].count(False)} skipped; stats {s}"
+        )
+        newest = [raw_key(ns, f"p{j}") for j in range(written - batch, written)]
+        assert store.batch_exists(newest) == batch
+        out = ByteSource(nbytes, batch)
+        assert store.batch_get(newest, out, list(range(batch))) == [True] * batch
+        for i, k in enumerate(newest):
+            assert np.array_equal(out.buf[i].numpy(), expected_bytes(k, nbytes))
+    finally:
+        store.close()
+
+
+def test_budget_checks(tmp_path, ns, host):
+    minimum = min_lmdb_budget(tmp_path, ns, host.page_nbytes)
+    for bad in (minimum - 1, 0, -5):
+        with pytest.raises(InvalidArgumentError):
+            LMDBStorage(tmp_path / "a", ns, host.page_nbytes, budget_bytes=bad)
+    for bad in (float(minimum * 2), True, None):
+        with pytest.raises(InvalidArgumentError):
+            LMDBStorage(tmp_path / "a", ns, host.page_nbytes, budget_bytes=bad)
+    LMDBStorage(tmp_path / "ok", ns, host.page_nbytes, budget_bytes=minimum).close()
+
+
+def test_path_that_is_a_file_raises_open_error(tmp_path, ns, host):
+    f = tmp_path / "plain-file"
+    f.write_bytes(b"not a directory")
+    for path in (f, f / "below"):
+        with pytest.raises(StorageOpenError, match=str(f)) as info:
+            LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+        assert isinstance(info.value, TieredKVError)
+
+
+def test_read_only_directory_raises_open_error(tmp_path, ns, host):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: a 0o500 directory is still writable")
+        for path in (ro / "store", ro):
+            with pytest.raises(StorageOpenError, match=str(ro)):
+                LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_two_namespaces_open_at_once_in_one_process(tmp_path, host, ns):
+    """Stores of two namespaces share one directory (eviction and clear are per namespace)."""
+    other_ns = StorageNamespace.for_host_pool(host, tenant="other")
+    a = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    try:
+        b = LMDBStorage(tmp_path / "s", other_ns, host.page_nbytes, budget_bytes=BUDGET)
+    except StorageOpenError as exc:
+        a.close()
+        pytest.fail(f"a second namespace on the same directory cannot be opened: {exc}")
+    try:
+        ka, kb = _keys(ns, 3), _keys(other_ns, 3)
+        assert a.batch_set(ka, host, [0, 1, 2]) == [True] * 3
+        assert b.batch_set(kb, host, [3, 4, 5]) == [True] * 3
+        a.clear()
+        assert a.batch_exists(ka) == 0
+        assert b.batch_exists(kb) == 3
+    finally:
+        a.close()
+        b.close()
+
+
+# -- several processes ------------------------------------------------------------------------
+MP_NBYTES = 16 * 4096 - 16
+MP_PAGES = 300  # per writer; both writers together outgrow the initial 32 MiB map
+
+
+def _mp_keys(ns, writer: int, n: int = MP_PAGES):
+    return [raw_key(ns, f"writer{writer}-{i}") for i in range(n)]
+
+
+def _mp_worker(path: str, writer: int, result_path: str) -> None:
+    ns = byte_namespace(MP_NBYTES)
+    store = LMDBStorage(path, ns, MP_NBYTES, budget_bytes=256 << 20)
+    mine, theirs = _mp_keys(ns, writer), _mp_keys(ns, 1 - writer)
+    src, out = ByteSource(MP_NBYTES, 8), ByteSource(MP_NBYTES, 8)
+    seen, checked = 0, 0
+    for start in range(0, MP_PAGES, 8):
+        keys = mine[start : start + 8]
+        fill_for_keys(src, keys, range(len(keys)))
+        assert store.batch_set(keys, src, list(range(len(keys)))) == [True] * len(keys)
+        # Read the other writer's pages that have appeared (it writes them in order).
+        seen = store.batch_exists(theirs)
+        for k in theirs[checked : min(seen, checked + 8)]:
+            assert store.batch_get([k], out, [0]) == [True]
+            assert np.array_equal(out.buf[0].numpy(), expected_bytes(k, MP_NBYTES))
+            checked += 1
+    store.close()
+    with open(result_path, "w") as f:
+        f.write(f"{seen} {checked}")
+
+
+def test_two_processes_write_and_read_at_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    path = tmp_path / "s"
+    procs = [
+        ctx.Process(target=_mp_worker, args=(str(path), w, str(tmp_path / f"r{w}"))) for w in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    ns = byte_namespace(MP_NBYTES)
+    store = LMDBStorage(path, ns, MP_NBYTES, budget_bytes=256 << 20)
+    try:
+        out = ByteSource(MP_NBYTES, 1)
+        for w in (0, 1):
+            keys = _mp_keys(ns, w)
+            assert store.batch_exists(keys) == MP_PAGES
+            for k in keys:
+                assert store.batch_get([k], out, [0]) == [True]
+                assert np.array_equal(out.buf[0].numpy(), expected_bytes(k, MP_NBYTES))
+        assert store.stats().evictions == 0
+    finally:
+        store.close()
+
+
+# -- SIGKILL ----------------------------------------------------------------------------------
+KILL_NBYTES = 4096 * 2 - 16
+KILL_BUDGET = 24 << 20
+KILL_MAX = 6000  # pages one writer may write before it stops on its own
+
+
+def _kill_keys(ns, run: int):
+    return [raw_key(ns, f"run{run}-{i}") for i in range(KILL_MAX)]
+
+
+def _kill_writer(path: str, run: int, ready) -> None:
+    ns = byte_namespace(KILL_NBYTES)
+    store = LMDBStorage(path, ns, KILL_NBYTES, budget_bytes=KILL_BUDGET)
+    keys = _kill_keys(ns, run)
+    src = ByteSource(KILL_NBYTES, 16)
+    ready.set()
+    for start in range(0, KILL_MAX, 16):
+        batch = keys[start : start + 16]
+        fill_for_keys(src, batch, range(len(batch)))
+        store.batch_set(batch, src, list(range(len(batch))))
+    time.sleep(60)  # wait to be killed
+
+
+@pytest.mark.slow
+def test_sigkill_during_writes_loses_no_integrity(tmp_path, gen):
+    # forkserver: every writer is a fresh process forked from a server that has the imports.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    path = tmp_path / "s"
+    ns = byte_namespace(KILL_NBYTES)
+    survived, runs = 0, 20
+    t0 = time.monotonic()
+    out = ByteSource(KILL_NBYTES, 64)
+    for run in range(runs):
+        ready = ctx.Event()
+        p = ctx.Process(target=_kill_writer, args=(str(path), run, ready))
+        p.start()
+        assert ready.wait(30)
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+        store = LMDBStorage(path, ns, KILL_NBYTES, budget_bytes=KILL_BUDGET)
+        try:
+            keys = _kill_keys(ns, run)
+            present = [store.batch_exists([k]) == 1 for k in keys]
+            for start in range(0, KILL_MAX, 64):
+                chunk = keys[start : start + 64]
+                got = store.batch_get(chunk, out, list(range(len(chunk))))
+                assert got == present[start : start + 64], (run, start)
+                for i, k in enumerate(chunk):
+                    if got[i]:
+                        assert np.array_equal(out.buf[i].numpy(), expected_bytes(k, KILL_NBYTES)), (
+                            run,
+                            start + i,
+                        )
+            s = store.stats()
+            assert s.checksum_failures == 0
+            assert s.bytes <= KILL_BUDGET and store.disk_bytes() <= KILL_BUDGET
+            survived += sum(present)
+        finally:
+            store.close()
+    assert survived > 0
+    assert time.monotonic() - t0 < 120
+
+
+# -- fork -------------------------------------------------------------------------------------
+def _fork_child(store: LMDBStorage, nbytes: int) -> None:
+    ns = store.namespace
+    keys = [raw_key(ns, f"child-{i}") for i in range(6)]
+    src = ByteSource(nbytes, 6)
+    fill_for_keys(src, keys, range(6))
+    assert store.batch_exists([raw_key(ns, "parent-0")]) == 1
+    assert store.batch_set(keys, src, list(range(6))) == [True] * 6
+    out = ByteSource(nbytes, 1)
+    assert store.batch_get([raw_key(ns, "parent-0")], out, [0]) == [True]
+    assert np.array_equal(out.buf[0].numpy(), expected_bytes(raw_key(ns, "parent-0"), nbytes))
+    store.close()
+
+
+def test_store_used_after_fork_reopens(tmp_path):
+    nbytes = 4096
+    ns = byte_namespace(nbytes)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
+    try:
+        pk = [raw_key(ns, f"parent-{i}") for i in range(3)]
+        src = ByteSource(nbytes, 3)
+        fill_for_keys(src, pk, range(3))
+        assert store.batch_set(pk, src, [0, 1, 2]) == [True] * 3
+        p = mp.get_context("fork").Process(target=_fork_child, args=(store, nbytes))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        keys = [raw_key(ns, f"child-{i}") for i in range(6)]
+        assert store.batch_exists(keys) == 6
+        out = ByteSource(nbytes, 6)
+        assert store.batch_get(keys, out, list(range(6))) == [True] * 6
+        for i, k in enumerate(keys):
+            assert np.array_equal(out.buf[i].numpy(), expected_bytes(k, nbytes))
+        assert store.batch_set([raw_key(ns, "after")], src, [0]) == [True]
+        assert store.batch_exists(pk) == 3
+    finally:
+        store.close()
+
+
+def _grow_writer(path: str) -> None:
+    ns = byte_namespace(MP_NBYTES)
+    store = LMDBStorage(path, ns, MP_NBYTES, budget_bytes=256 << 20)
+    src = ByteSource(MP_NBYTES, 8)
+    keys = _mp_keys(ns, 7, n=640)  # ~42 MB: the map grows past its initial 32 MiB
+    for start in range(0, len(keys), 8):
+        batch = keys[start : start + 8]
+        fill_for_keys(src, batch, range(8))
+        assert store.batch_set(batch, src, list(range(8))) == [True] * 8
+    assert store.stats().map_resizes > 0
+    store.close()
+
+
+def test_reads_after_another_process_grew_the_map(tmp_path):
+    """A store open in this process keeps working (reads do not raise) after another process
+    grew the LMDB map past this process's map size."""
+    path = tmp_path / "s"
+    ns = byte_namespace(MP_NBYTES)
+    store = LMDBStorage(path, ns, MP_NBYTES, budget_bytes=256 << 20)
+    try:
+        mine = raw_key(ns, "mine")
+        src = ByteSource(MP_NBYTES, 1)
+        fill_for_keys(src, [mine], [0])
+        assert store.batch_set([mine], src, [0]) == [True]
+        p = mp.get_context("spawn").Process(target=_grow_writer, args=(str(path),))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+        theirs = _mp_keys(ns, 7, n=640)
+        assert store.batch_exists(theirs) == 640  # raised MapResizedError
+        out = ByteSource(MP_NBYTES, 1)
+        assert store.batch_get([theirs[-1]], out, [0]) == [True]
+        assert np.array_equal(out.buf[0].numpy(), expected_bytes(theirs[-1], MP_NBYTES))
+        assert store.stats().pages == 641
+        assert store.batch_set([raw_key(ns, "after")], src, [0]) == [True]
+    finally:
+        store.close()
