@@ -33,6 +33,9 @@ class PageSource(Protocol):
 
     def set_page_bytes(self, page: int, data: object) -> None: ...
 
+    # Optional: ``page_bytes_zero_copy = True`` says get_page_bytes returns a writable view that
+    # a store may fill directly (as a page_first host pool's does).
+
 
 @dataclass
 class StorageStats:

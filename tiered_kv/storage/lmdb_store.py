@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
+import numpy as np
+import xxhash
 
 from tiered_kv.errors import InvalidArgumentError, TieredKVError
 from tiered_kv.storage import value_format
@@ -36,6 +38,7 @@ _USED = b"used"
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
 _NODE = 16  # LMDB's per-entry node header, rounded up
+_CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache when hashed
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
@@ -176,6 +179,14 @@ class LMDBStorage(PageStorage):
         self._stats.map_resizes += 1
         return True
 
+    def _grow_for(self, incoming: int) -> None:
+        """Grow the map before a write that would fill it: a MapFull aborts the whole batch
+        transaction, and its retry copies and checksums every page again."""
+        env = self._env_for_this_process()
+        used = self._read(lambda txn: _u64(txn.get(_USED, db=self._meta)))
+        while (used + incoming) * 2 > env.info()["map_size"] and self._grow():
+            pass
+
     def _write(self, fn, what: str):
         """Run ``fn(txn)`` in one write transaction, growing the map on MapFull and adopting a
         size another process set. Disk trouble is counted and returns None."""
@@ -297,7 +308,7 @@ class LMDBStorage(PageStorage):
         pages = self._check_pages(keys, source, pages)
         out: list[bool] = []
         bad: list[bytes] = []
-        fp = self.namespace.fingerprint
+        zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))
 
         def serve(txn: lmdb.Transaction) -> None:
             for key, page in zip(keys, pages, strict=True):
@@ -308,16 +319,14 @@ class LMDBStorage(PageStorage):
                     self._stats.misses += 1
                     out.append(False)
                     continue
-                if len(payload) != self.page_nbytes or not value_format.verify(
-                    value_format.unpack(raw), fp, payload
+                if len(payload) != self.page_nbytes or not self._deliver(
+                    value_format.unpack(raw), payload, source, page, zero_copy
                 ):
                     bad.append(key)
                     self._stats.checksum_failures += 1
                     self._stats.misses += 1
                     out.append(False)
                     continue
-                # One copy: from LMDB's map straight into the host page.
-                source.set_page_bytes(page, payload)
                 self._touched[key] = None
                 self._stats.hits += 1
                 out.append(True)
@@ -329,6 +338,28 @@ class LMDBStorage(PageStorage):
             if len(self._touched) >= _FLUSH_EVERY:
                 self._write(self._flush_touched, "recency")
         return out
+
+    def _deliver(self, header, payload, source: PageSource, page: int, zero_copy: bool) -> bool:
+        """Copy a stored page into host page ``page`` (one copy, straight from LMDB's map) and
+        verify it. Where the host page is a writable view, the copy goes in cache-sized chunks and
+        each chunk is hashed right after it lands, from cache, instead of in a second pass over
+        memory. On failure the host page may hold partial bytes (the caller reports a miss)."""
+        fp = self.namespace.fingerprint
+        if header is None or header.fingerprint != fp or header.length != len(payload):
+            return False
+        if not zero_copy:
+            if not value_format.verify(header, fp, payload):
+                return False
+            source.set_page_bytes(page, payload)
+            return True
+        dst = source.get_page_bytes(page).numpy()
+        src = np.frombuffer(payload, dtype=np.uint8)
+        hasher = xxhash.xxh3_64()
+        for start in range(0, src.size, _CHUNK):
+            part = dst[start : start + _CHUNK]
+            part[:] = src[start : start + _CHUNK]
+            hasher.update(part)
+        return hasher.intdigest() == header.checksum
 
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
@@ -363,6 +394,7 @@ class LMDBStorage(PageStorage):
 
         with self._lock:
             self._stats.sets += len(keys)
+            self._grow_for(len(keys) * self._record_bytes())
             result = None
             for attempt in range(2):
                 try:
