@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_allocator.py"
+from tests.benchmarks import _load
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_allocator", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return _load.load_bench("bench_allocator")
 
 
 def test_bench_allocator_small_run(tmp_path, capsys):

@@ -3,23 +3,17 @@ ratios and targets, and says so when the page cache cannot be dropped (no root n
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_storage.py"
+from tests.benchmarks import _load
+
 TINY = ["--sizes", "0.0625,0.125", "--total-mib", "1", "--batch", "4", "--repeats", "2"]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_storage", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return _load.load_bench("bench_storage")
 
 
 def test_bench_storage_small_run_without_cold_get(tmp_path, capsys):

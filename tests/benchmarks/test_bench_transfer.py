@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_transfer.py"
+from tests.benchmarks import _load
+
 TINY = [
     *("--layers", "2", "--heads", "2", "--head-dim", "16"),
     *("--tokens", "64", "--pool-tokens", "256", "--repeats", "2", "--page-sizes", "1,16"),
@@ -17,11 +15,7 @@ TINY = [
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_transfer", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return _load.load_bench("bench_transfer")
 
 
 def test_bench_transfer_small_run(tmp_path, capsys):
