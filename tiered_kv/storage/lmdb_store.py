@@ -44,6 +44,7 @@ _CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache wh
 _FILL = 3 / 4
 
 # One environment per (directory, process): LMDB refuses to open a directory twice in a process.
+# Entries are [environment, number of open stores, the lock all those stores share].
 _ENVS: dict[tuple[str, int], list] = {}
 _ENVS_LOCK = threading.Lock()
 
@@ -134,9 +135,12 @@ class LMDBStorage(PageStorage):
                     )
                 except lmdb.Error as exc:
                     raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
-                entry = _ENVS[key] = [env, 0]
+                # One lock per environment: a map resize must not race a transaction of another
+                # store object (another namespace) on the same environment.
+                entry = _ENVS[key] = [env, 0, threading.RLock()]
             entry[1] += 1
         self._env = entry[0]
+        self._lock = entry[2]
         self._env_key = key
         self._pages = self._env.open_db(b"pages")
         self._headers = self._env.open_db(b"headers")
