@@ -58,6 +58,10 @@ class StorageStats:
     def count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
+    def snapshot(self) -> StorageStats:
+        """An independent copy (what ``stats()`` hands out)."""
+        return StorageStats(**{**self.__dict__, "errors": dict(self.errors)})
+
 
 class PageStorage(abc.ABC):
     """A page store bound to one namespace and page size."""

@@ -453,7 +453,7 @@ class LMDBStorage(PageStorage):
 
         with self._lock:
             self._read(read)
-            return StorageStats(**{**self._stats.__dict__, "errors": dict(self._stats.errors)})
+            return self._stats.snapshot()
 
     def disk_bytes(self) -> int:
         """Size of the data file on disk."""

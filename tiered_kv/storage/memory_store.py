@@ -109,7 +109,7 @@ class MemoryStorage(PageStorage):
         with self._lock:
             self._stats.pages = len(self._pages)
             self._stats.bytes = len(self._pages) * self._record_bytes()
-            return StorageStats(**{**self._stats.__dict__, "errors": dict(self._stats.errors)})
+            return self._stats.snapshot()
 
     def corrupt_for_test(self, key: bytes, offset: int) -> None:
         """Flip one payload byte (tests of checksum handling)."""
