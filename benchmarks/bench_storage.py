@@ -34,7 +34,7 @@ bytes, byte for byte. A mismatch aborts the run.
 
 Targets (issue), per size: LMDB set, warm get and cold get >= 1.0x ``files``; LMDB cold get >=
 0.6x the O_DIRECT read. ``--study`` adds a table of LMDB options at ``--study-size`` MiB
-(writemap, readahead, durable, batch size) with ``files`` rows for reference.
+(writemap, readahead, durable, I/O threads, batch size) with ``files`` rows for reference.
 
 Run::
 
@@ -666,6 +666,8 @@ STUDY = [
     ("writemap off", {"writemap": False}, None),
     ("readahead off", {"readahead": False}, None),
     ("durable on", {"durable": True}, None),
+    ("1 I/O thread", {"io_threads": 1}, None),
+    ("4 I/O threads", {"io_threads": 4}, None),
     ("defaults", {}, 1),
     ("defaults", {}, 32),
 ]

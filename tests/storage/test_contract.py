@@ -21,7 +21,7 @@ from ._util import (
     raw_key,
 )
 
-IMPLS = ["memory", "lmdb"]
+IMPLS = ["memory", "lmdb", "lmdb-1-thread"]
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -52,8 +52,13 @@ def make_store(request, tmp_path):
         if request.param == "memory":
             store = MemoryStorage(ns, page_nbytes, budget_bytes=budget_bytes)
         else:
+            threads = 1 if request.param == "lmdb-1-thread" else 3
             store = LMDBStorage(
-                path or tmp_path / "store", ns, page_nbytes, budget_bytes=budget_bytes or 64 << 20
+                path or tmp_path / "store",
+                ns,
+                page_nbytes,
+                budget_bytes=budget_bytes or 64 << 20,
+                io_threads=threads,
             )
         made.append(store)
         return store
@@ -207,12 +212,12 @@ def test_clear_removes_only_this_namespace(make_store, tmp_path, host, ns, keys)
     other_keys = page_keys(other_ns, _tokens(8 * P + 1, seed=7), P)
     other = make_store(other_ns, host.page_nbytes, path=shared)
     assert other.batch_set(other_keys[:3], host, [4, 5, 6]) == [True] * 3
-    if make_store.kind == "lmdb":
+    if make_store.kind.startswith("lmdb"):
         other.close()
     store = make_store(ns, host.page_nbytes, path=shared)
     assert store.batch_set(keys[:4], host, [0, 1, 2, 3]) == [True] * 4
     store.clear()
-    if make_store.kind == "lmdb":
+    if make_store.kind.startswith("lmdb"):
         store.close()
         other = make_store(other_ns, host.page_nbytes, path=shared)
         store = None

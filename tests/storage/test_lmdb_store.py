@@ -163,6 +163,12 @@ def test_budget_checks(tmp_path, ns, host):
     LMDBStorage(tmp_path / "ok", ns, host.page_nbytes, budget_bytes=minimum).close()
 
 
+def test_bad_io_threads_is_refused_before_opening(tmp_path, ns, host):
+    with pytest.raises(InvalidArgumentError, match="io_threads=0"):
+        LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET, io_threads=0)
+    assert not (tmp_path / "s").exists()
+
+
 def test_path_that_is_a_file_raises_open_error(tmp_path, ns, host):
     f = tmp_path / "plain-file"
     f.write_bytes(b"not a directory")

@@ -32,10 +32,12 @@ def _seal(fields: bytes) -> bytes:
     return fields + _CHECK.pack(xxhash.xxh32_intdigest(fields))
 
 
-def pack(fingerprint: bytes, payload: memoryview | bytes, tick: int) -> bytes:
-    return _seal(
-        _FIELDS.pack(MAGIC, VERSION, 0, fingerprint, len(payload), checksum(payload), tick)
-    )
+def pack(
+    fingerprint: bytes, payload: memoryview | bytes, tick: int, payload_checksum: int | None = None
+) -> bytes:
+    """The header for ``payload``; ``payload_checksum`` is its ``checksum`` if already known."""
+    csum = checksum(payload) if payload_checksum is None else payload_checksum
+    return _seal(_FIELDS.pack(MAGIC, VERSION, 0, fingerprint, len(payload), csum, tick))
 
 
 def with_tick(header: bytes, tick: int) -> bytes:

@@ -1,0 +1,57 @@
+"""A process-wide pool of I/O threads that stores use to hash and copy page bytes in parallel.
+
+xxhash and numpy release the GIL on large buffers, so page checksums and map-to-host copies
+scale with cores. ``ordered_map`` yields results in input order while later items are still
+being computed, which lets a write transaction insert page i while page i+1 is hashed. After a
+``fork`` the child gets a fresh pool (the parent's threads do not exist there).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from tiered_kv.errors import InvalidArgumentError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def default_io_threads() -> int:
+    """Two threads where two cores exist (enough to overlap hashing with copying), else one."""
+    return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+
+def check_io_threads(io_threads: int | None) -> int:
+    if io_threads is None:
+        return default_io_threads()
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
+        raise InvalidArgumentError(
+            f"io_threads={io_threads!r} must be an int in [1, 64] (1 = no threads) or None"
+        )
+    return io_threads
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), threads)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="tiered-kv-io")
+        return pool
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
+    """``map(fn, items)``, computed by ``threads`` pool threads when ``threads > 1`` and there
+    is more than one item; results come back in order, each as soon as it and those before it
+    are done. With one thread (or one item) it runs lazily in the caller's thread."""
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        return map(fn, items)
+    return _pool(threads).map(fn, items)
