@@ -93,6 +93,25 @@ class KVCache(abc.ABC):
         # Validation that reads index values costs a device sync on CUDA: on by default only
         # where it is free (CPU tensors); debug_mode turns it on everywhere.
         self.debug_mode = False
+        self.layer_transfer_counter = None
+
+    # -- layer-wise loading ---------------------------------------------------------------
+    def register_layer_transfer_counter(self, counter) -> None:
+        """From now on ``get_key_buffer`` / ``get_value_buffer`` of a layer first wait until
+        ``counter`` says that layer's host -> device load is done (``None``: never wait)."""
+        if counter is not None and counter.num_layers != self.layer_num:
+            raise InvalidArgumentError(
+                f"layer transfer counter counts {counter.num_layers} layers; this pool holds "
+                f"{self.layer_num}"
+            )
+        self.layer_transfer_counter = counter
+
+    def _ready_layer(self, layer_id: int) -> int:
+        """Local index of ``layer_id`` once any load into that layer has landed."""
+        index = self.layer_index(layer_id)
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(index)
+        return index
 
     # -- geometry ---------------------------------------------------------------------------
     @property

@@ -67,10 +67,10 @@ class MHATokenToKVPool(KVCache):
         return self.head_num * (self.head_dim + self.v_head_dim) * item
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.k_buffer[self.layer_index(layer_id)])
+        return self._view(self.k_buffer[self._ready_layer(layer_id)])
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.v_buffer[self.layer_index(layer_id)])
+        return self._view(self.v_buffer[self._ready_layer(layer_id)])
 
     def set_kv_buffer(
         self,
@@ -130,7 +130,7 @@ class MHATokenToKOnlyPool(KVCache):
         )
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.k_buffer[self.layer_index(layer_id)])
+        return self._view(self.k_buffer[self._ready_layer(layer_id)])
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         raise LayoutError(f"MHATokenToKOnlyPool stores no V (layer {layer_id}); use get_key_buffer")

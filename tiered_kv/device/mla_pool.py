@@ -54,10 +54,10 @@ class MLATokenToKVPool(KVCache):
         return self.kv_cache_dim * torch.empty((), dtype=self.store_dtype).element_size()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.kv_buffer[self.layer_index(layer_id)])
+        return self._view(self.kv_buffer[self._ready_layer(layer_id)])
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.kv_buffer[self.layer_index(layer_id)])[..., : self.kv_lora_rank]
+        return self._view(self.kv_buffer[self._ready_layer(layer_id)])[..., : self.kv_lora_rank]
 
     def set_kv_buffer(
         self,

@@ -1,0 +1,137 @@
+"""The page-aligned prefix tree under :class:`TieredRadixCache`: nodes, matching and splitting.
+
+A node owns a run of whole pages of tokens (``key``, a tuple of token ids) and records where
+that run's KV lives: ``device`` (device slot indices) and ``host`` (host slot indices), each a
+tensor as long as the key or ``None``, and ``in_storage``. ``digests`` holds the storage chain
+digest of each page (continuing from the parent's last page). Children are keyed by their first
+page. ``lock_ref`` (device) and ``host_ref`` (host) count users of the node and its ancestors.
+Splitting a node cuts every per-token and per-page field at the same page boundary, so device,
+host, digest and pending-copy state stay consistent.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+_IDS = itertools.count(1)
+
+
+class TreeNode:
+    __slots__ = (
+        "id",
+        "key",
+        "parent",
+        "children",
+        "device",
+        "host",
+        "digests",
+        "in_storage",
+        "lock_ref",
+        "host_ref",
+        "pending",
+        "hit_count",
+        "__weakref__",
+    )
+
+    def __init__(self, key: tuple = (), parent: TreeNode | None = None) -> None:
+        self.id = next(_IDS)
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple, TreeNode] = {}
+        self.device: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.digests: list[bytes] = []
+        self.in_storage = False
+        self.lock_ref = 0
+        self.host_ref = 0
+        # In-flight copies touching this node: {"write": op, "load": op, "backup": op}.
+        self.pending: dict[str, Any] = {}
+        self.hit_count = 0
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    @property
+    def ghost_key(self) -> tuple:
+        """Identity of the node's token prefix (for S3-FIFO's ghost list)."""
+        return (self.parent.id if self.parent is not None else 0, self.key[:64], len(self.key))
+
+    @property
+    def on_device(self) -> bool:
+        return self.device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    def last_digest(self) -> bytes:
+        return self.digests[-1] if self.digests else b""
+
+    def __repr__(self) -> str:
+        where = "".join(
+            c
+            for c, on in (("D", self.on_device), ("H", self.on_host), ("S", self.in_storage))
+            if on
+        )
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, {where or '-'}, lock={self.lock_ref})"
+        )
+
+
+def first_page(key: tuple, page_size: int) -> tuple:
+    return key[:page_size]
+
+
+def common_pages(a: tuple, b: tuple, page_size: int) -> int:
+    """Tokens in the longest common prefix of ``a`` and ``b`` made of whole pages."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i - i % page_size
+
+
+def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
+    """Cut ``node`` after ``at`` tokens (a whole number of pages, 0 < at < len(node)); returns
+    the new parent holding the front part. ``node`` keeps the rest and its children."""
+    parent = node.parent
+    assert parent is not None and 0 < at < len(node.key) and at % page_size == 0
+    front = TreeNode(node.key[:at], parent)
+    front.device = node.device[:at] if node.device is not None else None
+    front.host = node.host[:at] if node.host is not None else None
+    pages = at // page_size
+    front.digests = node.digests[:pages]
+    front.in_storage = node.in_storage
+    front.lock_ref = node.lock_ref
+    front.host_ref = node.host_ref
+    front.pending = dict(node.pending)
+    front.hit_count = node.hit_count
+    for op in node.pending.values():
+        op.nodes.append(front)
+    node.key = node.key[at:]
+    node.device = node.device[at:] if node.device is not None else None
+    node.host = node.host[at:] if node.host is not None else None
+    node.digests = node.digests[pages:]
+    parent.children[first_page(front.key, page_size)] = front
+    front.children[first_page(node.key, page_size)] = node
+    node.parent = front
+    return front
+
+
+def path_to_root(node: TreeNode):
+    """``node`` and its ancestors, excluding the root."""
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def walk(root: TreeNode):
+    """Every node below ``root`` (depth first, parents before children)."""
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())

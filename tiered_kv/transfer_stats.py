@@ -1,0 +1,43 @@
+"""Bytes, seconds and operations moved per direction between the tiers (thread-safe)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
+
+
+@dataclass
+class DirectionStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    ops: int = 0
+    failed_ops: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class TransferStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by = {d: DirectionStats() for d in DIRECTIONS}
+
+    def add(self, direction: str, nbytes: int, seconds: float, ok: bool = True) -> None:
+        with self._lock:
+            s = self._by[direction]
+            s.ops += 1
+            if ok:
+                s.bytes += nbytes
+                s.seconds += seconds
+            else:
+                s.failed_ops += 1
+
+    def snapshot(self) -> dict[str, DirectionStats]:
+        with self._lock:
+            return {
+                d: DirectionStats(s.bytes, s.seconds, s.ops, s.failed_ops)
+                for d, s in self._by.items()
+            }
