@@ -207,7 +207,7 @@ class TieredKVCache:
             )
         out = self._alloc(req, n, decode=False)
         if out is None:
-            self.tree.evict_device(n + self.config.page_size)
+            self.tree.make_device_room(n + self.config.page_size)
             out = self._alloc(req, n, decode=False)
         if out is None:
             raise StateError(

@@ -21,7 +21,6 @@ copy before freeing device slots; host -> storage, waiting before freeing host s
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.eviction import EvictionPolicy, make_policy
 from tiered_kv.radix_tree import TreeNode, common_pages, first_page, path_to_root, split, walk
 from tiered_kv.storage.keys import page_digests
+from tiered_kv.tier_eviction import TierEviction
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -65,7 +65,7 @@ class TierCounters:
     writes_skipped: int = 0  # no room on the tier below
 
 
-class TieredRadixCache:
+class TieredRadixCache(TierEviction):
     def __init__(
         self,
         device_allocator: Any,
@@ -394,9 +394,21 @@ class TieredRadixCache:
             return _EMPTY
         out = self.device_allocator.alloc(n)
         if out is None:
-            self.evict_device(n - self.device_allocator.available_size())
+            self.make_device_room(n)
             out = self.device_allocator.alloc(n)
         return out
+
+    def make_device_room(self, n: int) -> None:
+        """Evict until ``n`` device slots are free; if nodes locked only by copies in flight
+        stand in the way, wait for those copies (the one place the tree blocks on a copy)."""
+        short = n - self.device_allocator.available_size()
+        if short <= 0:
+            return
+        self.evict_device(short)
+        short = n - self.device_allocator.available_size()
+        if short > 0 and self._ops and self.controller is not None:
+            self.controller.wait_all()
+            self.evict_device(short)
 
     def _alloc_host(self, n: int, protect: TreeNode | None = None) -> torch.Tensor | None:
         out = self.host_pool.alloc(n)
@@ -410,115 +422,6 @@ class TieredRadixCache:
                     self.dec_host_ref(protect)
             out = self.host_pool.alloc(n)
         return out
-
-    # -- eviction -----------------------------------------------------------------------------
-    def _device_evictable(self, n: TreeNode) -> bool:
-        return (
-            n.parent is not None
-            and n.on_device
-            and n.lock_ref == 0
-            and "write" not in n.pending
-            and "load" not in n.pending
-            and not any(c.on_device for c in n.children.values())
-        )
-
-    def _host_evictable(self, n: TreeNode) -> bool:
-        return (
-            n.parent is not None
-            and n.on_host
-            and n.host_ref == 0
-            and not n.pending
-            and (n.on_device or not n.children)
-        )
-
-    def _evict(self, num_tokens: int, policy: EvictionPolicy, evictable, evict_one) -> int:
-        heap, order = [], itertools.count()
-        for n in walk(self.root):
-            if evictable(n):
-                heapq.heappush(heap, (policy.priority(n), next(order), n))
-        freed = 0
-        while freed < num_tokens and heap:
-            prio, _, n = heapq.heappop(heap)
-            if not evictable(n):
-                continue
-            now = policy.priority(n)
-            if now != prio:
-                heapq.heappush(heap, (now, next(order), n))
-                continue
-            if policy.second_chance(n):
-                heapq.heappush(heap, (policy.priority(n), next(order), n))
-                continue
-            parent = n.parent
-            freed += evict_one(n)
-            if parent is not None and evictable(parent):
-                heapq.heappush(heap, (policy.priority(parent), next(order), parent))
-        return freed
-
-    def evict_device(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
-        self.check_all()
-        return self._evict(
-            num_tokens, self.device_policy, self._device_evictable, self._evict_device_node
-        )
-
-    def _evict_device_node(self, n: TreeNode) -> int:
-        size = len(n)
-        if not n.on_host and self.write_policy == "write_back":
-            self._write_to_host(n, wait=True)
-        if n.on_host and "write" not in n.pending:
-            self._free_device(n)
-        elif self._subtree_free(n):
-            self._drop(n)
-        else:
-            return 0
-        self.device_counters.evicted_tokens += size
-        self.device_counters.evicted_nodes += 1
-        return size
-
-    def _free_device(self, n: TreeNode) -> None:
-        self.device_allocator.free(n.device)
-        n.device = None
-        self.device_policy.on_remove(n)
-
-    def _subtree_free(self, n: TreeNode) -> bool:
-        return all(m.host_ref == 0 and m.lock_ref == 0 and not m.pending for m in [n, *walk(n)])
-
-    def _drop(self, n: TreeNode) -> None:
-        """Remove ``n`` and everything below it from the tree, freeing all their slots."""
-        for m in [*walk(n), n]:
-            if m.on_device:
-                self._free_device(m)
-            if m.on_host:
-                self.host_pool.free(m.host)
-                m.host = None
-                self.host_policy.on_remove(m)
-            self.device_counters.dropped_tokens += len(m)
-        del n.parent.children[first_page(n.key, self.page_size)]
-        n.parent = None
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host slots if unprotected nodes allow; returns freed."""
-        if self.host_pool is None:
-            return 0
-        self.check_all()
-        return self._evict(
-            num_tokens, self.host_policy, self._host_evictable, self._evict_host_node
-        )
-
-    def _evict_host_node(self, n: TreeNode) -> int:
-        size = len(n)
-        if self.write_policy == "write_back" and not n.in_storage:
-            self._backup_to_storage(n, wait=True)
-        self.host_pool.free(n.host)
-        n.host = None
-        self.host_policy.on_remove(n)
-        if not n.on_device:  # a host-only leaf: it leaves the tree
-            del n.parent.children[first_page(n.key, self.page_size)]
-            n.parent = None
-            self.host_counters.dropped_tokens += size
-        self.host_counters.evicted_tokens += size
-        self.host_counters.evicted_nodes += 1
-        return size
 
     # -- storage -> host ----------------------------------------------------------------------
     def start_prefetch(self, match: MatchResult, tokens) -> _Op | None:
