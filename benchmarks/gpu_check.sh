@@ -19,4 +19,6 @@ status=0
 "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/gpu 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || status=1
 "$PY" benchmarks/bench_transfer.py --device cuda --kernel-backends triton \
     --json "$OUT_DIR/bench_transfer_cuda.json" 2>&1 | tee "$OUT_DIR/bench_transfer_cuda.log" || status=1
+"$PY" benchmarks/bench_tiered.py --device cuda \
+    --json "$OUT_DIR/bench_tiered_cuda.json" 2>&1 | tee "$OUT_DIR/bench_tiered_cuda.log" || status=1
 exit $status
