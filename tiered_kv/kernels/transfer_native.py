@@ -1,8 +1,9 @@
 """Native page-transfer launcher (CPU): one call of the C block copier per transfer or layer.
 
-:class:`NativeRowPlan` computes the block addresses of a transfer over all its layers once, with
-broadcast torch ops, straight into copy order; ``run`` then costs one C call. A layer-wise load
-(one call per layer with the same indices) reuses one plan, so each layer pays only the copy.
+:class:`NativeRowPlan` computes the block addresses of a transfer with broadcast torch ops,
+straight into copy order, and keeps them; ``run`` then costs one C call. A layer-wise load (one
+call per layer with the same indices) reuses one plan, and a layer's addresses are built when
+that layer is first copied, so layer 0 does not wait for the addresses of every layer.
 Orders: host-bound copies in a token-major layout go in chunks of ``CHUNK`` consecutive tokens,
 layer by layer, part by part (each chunk fills one region of the host while reading runs of
 device rows); device-bound copies go layer-major, so one layer is one contiguous slice of the
@@ -60,37 +61,56 @@ class NativeRowPlan:
         self.by_layer = not (to_host and token_major)
         # Keep the buffers alive as long as their addresses are in use.
         self._keep = (dev_buffers, host)
-        bases = torch.tensor(
+        self._bases = torch.tensor(
             [[bufs[i].data_ptr() for bufs in dev_buffers] for i in range(self.layers)],
             dtype=torch.int64,
         )
-        nbytes = torch.tensor(self.row_bytes, dtype=torch.int64)
-        part_bytes = torch.tensor(part_offsets, dtype=torch.int64) * elt
-        rows = dev_rows.to(torch.int64)
-        hst = (host.data_ptr() + host_offsets.to(torch.int64) * elt)[:, :, None] + part_bytes
-        dev = bases[:, None, :] + rows[None, :, None] * nbytes  # both (layers, n, parts)
-        dst, src = (hst, dev) if to_host else (dev, hst)
-        if self.by_layer:
-            self.dst = dst.reshape(self.layers, -1).contiguous()
-            self.src = src.reshape(self.layers, -1).contiguous()
-        else:
-            self.dst, self.src = _chunked(dst), _chunked(src)
-        self.sizes = None
-        if len(set(self.row_bytes)) > 1:
-            sizes = nbytes.expand(dst.shape).contiguous()
-            self.sizes = sizes.reshape(self.layers, -1) if self.by_layer else _chunked(sizes)
+        self._nbytes = torch.tensor(self.row_bytes, dtype=torch.int64)
+        self._part_bytes = torch.tensor(part_offsets, dtype=torch.int64) * elt
+        self._rows = dev_rows.to(torch.int64)
+        self._host_ptr = host.data_ptr()
+        self._host_offsets = host_offsets
+        self._elt = elt
+        self._to_host = to_host
+        self._mixed = len(set(self.row_bytes)) > 1
+        # Layer-major plans build a layer's addresses when that layer is first copied, so the
+        # first layer of a layer-wise load does not wait for every layer's addresses.
+        self._per_layer: dict[int, tuple] = {}
+        self._whole: tuple | None = None
+        if not self.by_layer:
+            dst, src, sizes = self._addresses(slice(None))
+            self._whole = (_chunked(dst), _chunked(src), _chunked(sizes) if self._mixed else None)
+
+    def _addresses(self, layers: slice) -> tuple:
+        """(dst, src, sizes) addresses, each shaped (layers, n, parts)."""
+        offsets = self._host_offsets[layers].to(torch.int64)
+        hst = (self._host_ptr + offsets * self._elt)[:, :, None] + self._part_bytes
+        dev = self._bases[layers][:, None, :] + self._rows[None, :, None] * self._nbytes
+        dst, src = (hst, dev) if self._to_host else (dev, hst)
+        sizes = self._nbytes.expand(dst.shape) if self._mixed else None
+        return dst, src, sizes
+
+    def _layer_major(self, layers: slice) -> tuple:
+        dst, src, sizes = self._addresses(layers)
+        flat = (lambda a: a.reshape(-1).contiguous())
+        return flat(dst), flat(src), flat(sizes) if sizes is not None else None
 
     def run(self, layer: int | None = None) -> None:
         """Copy every layer, or only local ``layer`` (plans built layer-major only)."""
         if self.n == 0:
             return
-        dst, src, sizes = self.dst, self.src, self.sizes
         layers = self.layers
-        if layer is not None:
+        if layer is None:
+            if self._whole is None:
+                self._whole = self._layer_major(slice(None))
+            dst, src, sizes = self._whole
+        else:
             if not self.by_layer:
                 raise ValueError("this plan copies whole tokens; it cannot run one layer")
-            dst, src = dst[layer], src[layer]
-            sizes = sizes[layer] if sizes is not None else None
+            plan = self._per_layer.get(layer)
+            if plan is None:
+                plan = self._per_layer[layer] = self._layer_major(slice(layer, layer + 1))
+            dst, src, sizes = plan
             layers = 1
         total = self.n * layers * sum(self.row_bytes)
         threads = torch.get_num_threads() if total >= THREADS_MIN_BYTES else 1
