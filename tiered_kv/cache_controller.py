@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv._checks import check_positive_int
+from tiered_kv._checks import check_index_tensor, check_positive_int
 from tiered_kv.copy_streams import CopyEvent, make_copy_stream
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.layer_done import LayerDoneCounter
@@ -105,12 +105,15 @@ class CacheController:
         self._prefetch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = []
         if storage is not None:
-            for name, q, fn in (
-                ("backup", self._backup_q, self._run_backup),
-                ("prefetch", self._prefetch_q, self._run_prefetch),
+            for name, q, fn, done_q in (
+                ("backup", self._backup_q, self._run_backup, self._backups_done),
+                ("prefetch", self._prefetch_q, self._run_prefetch, None),
             ):
                 t = threading.Thread(
-                    target=self._worker, args=(q, fn), name=f"tiered-kv-{name}", daemon=True
+                    target=self._worker,
+                    args=(q, fn, done_q),
+                    name=f"tiered-kv-{name}",
+                    daemon=True,
                 )
                 t.start()
                 self._threads.append(t)
@@ -139,6 +142,8 @@ class CacheController:
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, op_id: Any) -> None:
         """Queue a host -> device load; ``start_loading`` issues every queued load at once."""
         self._check_open()
+        check_index_tensor("load: host_indices", host_indices, torch.device("cpu"))
+        check_index_tensor("load: device_indices", device_indices, self.device_pool.device)
         if len(host_indices) != len(device_indices):
             raise InvalidArgumentError(
                 f"load: {len(host_indices)} host slots for {len(device_indices)} device slots"
@@ -148,10 +153,12 @@ class CacheController:
     def start_loading(self) -> int | None:
         """Issue the queued loads layer by layer into a fresh producer slot of the layer
         counter, and make that slot the consumer. Returns the slot (None if nothing queued)."""
+        self._check_open()
         if not self._queued_loads:
             return None
-        queued, self._queued_loads = self._queued_loads, []
+        # Take the slot first: if it is still busy (StateError) the queued loads stay queued.
         slot = self.layer_done_counter.update_producer()
+        queued, self._queued_loads = self._queued_loads, []
         host_idx = torch.cat([h for h, _, _ in queued])
         dev_idx = torch.cat([d for _, d, _ in queued])
         pool, host = self.device_pool, self.host_pool
@@ -207,10 +214,20 @@ class CacheController:
         if self.storage is None:
             raise StateError("this controller has no storage tier")
         keys = list(keys)
+        check_index_tensor("host_indices", host_indices, torch.device("cpu"))
         if len(host_indices) != len(keys) * self.page_size:
             raise InvalidArgumentError(
                 f"{len(keys)} page keys need {len(keys) * self.page_size} host slots, got "
                 f"{len(host_indices)}"
+            )
+        p = self.page_size
+        rows = host_indices.to(torch.int64).reshape(-1, p)
+        whole = rows - rows[:, :1] == torch.arange(p)
+        if not bool(whole.all()) or bool((rows[:, 0] % p).any()):
+            bad = rows[~(whole.all(dim=1) & (rows[:, 0] % p == 0))][:2].tolist()
+            raise InvalidArgumentError(
+                f"host_indices must be whole host pages (page * {p} + 0..{p - 1}, in order); "
+                f"got slot runs {bad}"
             )
         return StorageOp(op_id, keys, host_indices)
 
@@ -239,7 +256,7 @@ class CacheController:
         self._prefetch_q.put(op)
         return op
 
-    def _worker(self, q: queue.SimpleQueue, fn) -> None:
+    def _worker(self, q: queue.SimpleQueue, fn, done_q: queue.SimpleQueue | None) -> None:
         while True:
             op = q.get()
             if op is None:
@@ -251,28 +268,28 @@ class CacheController:
                 with self._lock:
                     self.storage_errors += 1
             finally:
+                # Only now is the op final (error, pages_done): then signal and report it.
                 op.done.set()
+                if done_q is not None:
+                    done_q.put(op)
 
     def _run_backup(self, op: StorageOp) -> None:
         pages = self._pages_of(op.host_indices)
         step = self.storage_batch_pages
-        try:
-            for i in range(0, len(pages), step):
-                start = time.perf_counter()
-                ok = self.storage.batch_set(
-                    op.keys[i : i + step], self.host_pool, pages[i : i + step]
-                )
-                written = sum(ok)
-                self.transfer_stats.add(
-                    "host_to_storage",
-                    written * self.host_pool.page_nbytes,
-                    time.perf_counter() - start,
-                    written == len(ok),
-                )
-                op.ok.extend(ok)
-            op.pages_done = sum(op.ok)
-        finally:
-            self._backups_done.put(op)
+        for i in range(0, len(pages), step):
+            if op.cancelled:
+                return
+            start = time.perf_counter()
+            ok = self.storage.batch_set(op.keys[i : i + step], self.host_pool, pages[i : i + step])
+            written = sum(ok)
+            self.transfer_stats.add(
+                "host_to_storage",
+                written * self.host_pool.page_nbytes,
+                time.perf_counter() - start,
+                written == len(ok),
+            )
+            op.ok.extend(ok)
+            op.pages_done += written
 
     def _run_prefetch(self, op: StorageOp) -> None:
         pages = self._pages_of(op.host_indices)
@@ -281,13 +298,19 @@ class CacheController:
             if op.cancelled:
                 return
             start = time.perf_counter()
-            ok = self.storage.batch_get(op.keys[i : i + step], self.host_pool, pages[i : i + step])
+            keys = op.keys[i : i + step]
+            # Read only the leading pages the store holds: the host pages after the first
+            # missing one are left untouched (and no I/O is spent on pages that are dropped).
+            present = self.storage.batch_exists(keys)
+            ok = []
+            if present:
+                ok = self.storage.batch_get(keys[:present], self.host_pool, pages[i : i + present])
             lead = next((j for j, hit in enumerate(ok) if not hit), len(ok))
             self.transfer_stats.add(
                 "storage_to_host", lead * self.host_pool.page_nbytes, time.perf_counter() - start
             )
             op.pages_done += lead
-            if lead < len(ok):
+            if lead < len(keys):
                 return
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -306,7 +329,8 @@ class CacheController:
             t.join()
         self.write_stream.close()
         self.load_stream.close()
-        self.device_pool.register_layer_transfer_counter(None)
+        if self.device_pool.layer_transfer_counter is self.layer_done_counter:
+            self.device_pool.register_layer_transfer_counter(None)
 
 
 def _failed(event: CopyEvent) -> bool:

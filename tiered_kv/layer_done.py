@@ -61,11 +61,7 @@ class LayerDoneCounter:
     def record(self, slot: int, layer: int, event: CopyEvent) -> None:
         """The event after which ``layer`` (local index) of batch ``slot`` is on the device."""
         self._check_slot(slot)
-        n = self.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-            raise InvalidArgumentError(
-                f"layer={layer!r} must be a local layer index in [0, {self.num_layers})"
-            )
+        self._check_layer(layer)
         self._events[slot][layer] = event
 
     def set_consumer(self, slot: int | None) -> None:
@@ -76,6 +72,7 @@ class LayerDoneCounter:
 
     def wait_until(self, layer: int) -> None:
         """Wait until ``layer`` (local index) of the consumer's batch is loaded."""
+        self._check_layer(layer)
         slot = self._consumer
         if slot is None:
             return
@@ -86,3 +83,8 @@ class LayerDoneCounter:
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
             raise InvalidArgumentError(f"slot={slot!r} must be in [0, {self.num_slots})")
+
+    def _check_layer(self, layer: int) -> None:
+        n = self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidArgumentError(f"layer={layer!r} must be a local layer index in [0, {n})")

@@ -37,6 +37,10 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def _depth(node: TreeNode) -> int:
+    return sum(1 for _ in path_to_root(node))
+
+
 @dataclass
 class MatchResult:
     device_indices: torch.Tensor  # device slots of the device-resident prefix
@@ -181,9 +185,22 @@ class TieredRadixCache(TierEviction):
             if n.on_host:
                 self.host_policy.on_hit(n)
         if self.write_policy == "write_through_selective":
-            for n in path:
-                if n.on_device and not n.on_host and n.hit_count >= self.selective_hits:
-                    self._write_to_host(n)
+            todo = [
+                n
+                for n in path
+                if n.on_device and not n.on_host and n.hit_count >= self.selective_hits
+            ]
+            if todo:
+                # The host room for these copies must not come from this very match: protect
+                # its path (host part included) while they allocate.
+                self.inc_host_ref(node)
+                self.inc_lock_ref(last_dev)
+                try:
+                    for n in todo:
+                        self._write_to_host(n)
+                finally:
+                    self.dec_lock_ref(last_dev)
+                    self.dec_host_ref(node)
         storage_len, storage_keys = 0, []
         if check_storage and self.storage is not None and pos < len(key):
             keys = self._keys(key[pos:], node.last_digest())
@@ -341,8 +358,11 @@ class TieredRadixCache(TierEviction):
             for n in op.nodes:
                 n.pending.pop("load", None)
             if not ok:  # the device copy is garbage: drop it (the host copy stays)
-                for n in reversed(op.nodes):
-                    if n.device is not None and n.lock_ref == 0:
+                # Deepest first (a split appends its front part to op.nodes), and only where
+                # device residency stays prefix-closed: a node that gained a device child
+                # meanwhile keeps its slots, like a locked one.
+                for n in sorted(op.nodes, key=_depth, reverse=True):
+                    if self._device_evictable(n):
                         self._free_device(n)
 
     # -- host -> storage ----------------------------------------------------------------------

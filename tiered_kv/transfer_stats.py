@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from tiered_kv.errors import InvalidArgumentError
+
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
 
 
@@ -26,6 +28,10 @@ class TransferStats:
         self._by = {d: DirectionStats() for d in DIRECTIONS}
 
     def add(self, direction: str, nbytes: int, seconds: float, ok: bool = True) -> None:
+        if direction not in self._by:
+            raise InvalidArgumentError(
+                f"direction={direction!r} is not a transfer direction; use one of {DIRECTIONS}"
+            )
         with self._lock:
             s = self._by[direction]
             s.ops += 1
