@@ -17,6 +17,7 @@ compute, so the model has a position to produce logits from.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,7 @@ class TieredKVCache:
             namespace=namespace,
         )
         self.hits = HitCounters()
+        self._closed = False
         self._initial = self.free_sizes()
 
     # -- request lifecycle --------------------------------------------------------------------
@@ -129,7 +131,8 @@ class TieredKVCache:
         """Start a request for prompt ``tokens``: find its cached prefix on every tier, bring
         storage hits to host (per the prefetch policy) and host hits to the device (layer by
         layer), lock that prefix and give the request a row."""
-        tokens = [int(t) for t in tokens]
+        self._check_open()
+        tokens = _token_ids(tokens)
         if not tokens or len(tokens) > self.config.max_context_len:
             raise InvalidArgumentError(
                 f"prompt of {len(tokens)} tokens; need 1..{self.config.max_context_len}"
@@ -147,7 +150,7 @@ class TieredKVCache:
             if op is not None:
                 gained = self.tree.finish_prefetch(op, self._prefetch_wait(m.storage_hit_length))
                 if gained:
-                    m2 = self.tree.match_prefix(usable, check_storage=False)
+                    m2 = self.tree.match_prefix(usable, check_storage=False, count_hit=False)
                     hits.storage = (m2.device_hit_length + m2.host_hit_length) - (
                         m.device_hit_length + m.host_hit_length
                     )
@@ -162,7 +165,7 @@ class TieredKVCache:
                 hits.host = hits.storage = 0
             else:
                 slots = torch.cat([slots, loaded])
-                load_slot = self.controller.start_loading()
+                load_slot = self._start_loading()
         self.tree.inc_lock_ref(node)
         prefix = len(slots)
         hits.missed = len(tokens) - prefix
@@ -173,6 +176,17 @@ class TieredKVCache:
         kv.kv_allocated_len = prefix
         self.hits.add(hits)
         return req
+
+    def _start_loading(self) -> int | None:
+        """Issue the queued host -> device loads. The layer-done counter rotates a few producer
+        slots and refuses one whose loads are still in flight (and the controller would drop
+        the queued loads with that refusal): with that many requests' loads still copying,
+        wait for them first."""
+        ctl = self.controller
+        counter = ctl.layer_done_counter
+        if not counter.slot_done((counter.producer + 1) % counter.num_slots):
+            ctl.wait_all()
+        return ctl.start_loading()
 
     def _prefetch_wait(self, tokens: int) -> float | None:
         policy = self.config.prefetch_policy
@@ -196,7 +210,7 @@ class TieredKVCache:
         """Device slots for ``tokens`` appended to ``req`` (evicting unlocked device pages if
         needed). Raises StateError when the device cannot hold them."""
         self._check_live(req)
-        tokens = [int(t) for t in tokens]
+        tokens = _token_ids(tokens)
         n = len(tokens)
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
@@ -207,6 +221,14 @@ class TieredKVCache:
             )
         out = self._alloc(req, n, decode=False)
         if out is None:
+            self.tree.make_device_room(n + self.config.page_size)
+            out = self._alloc(req, n, decode=False)
+        if out is None and self.tree.pending_ops():
+            # make_device_room waits for device <-> host copies only; a host -> storage backup
+            # in flight protects its node's ancestors too, and a device-only ancestor (its host
+            # copy evicted) cannot leave the device without dropping that node. Wait for
+            # everything in flight before calling the device full.
+            self.drain()
             self.tree.make_device_room(n + self.config.page_size)
             out = self._alloc(req, n, decode=False)
         if out is None:
@@ -235,6 +257,10 @@ class TieredKVCache:
         self._check_live(req)
         self.tree.check_all()
         full = len(req.tokens) - len(req.tokens) % self.config.page_size
+        if self.tree.holds_stale(req.node):
+            # Its prefix load failed: the KV it computed on top of it is not worth keeping.
+            self.abort(req)
+            return
         dup = self.tree.insert(req.tokens[:full], req.slots[:full]) if full else 0
         # The first ``prefix_len`` slots came from the tree: they are its, never ours to free.
         own_dup = req.slots[req.prefix_len : dup] if dup > req.prefix_len else None
@@ -246,9 +272,24 @@ class TieredKVCache:
         self.req_to_token.free(req.row)
         req.finished = True
 
+    def abort(self, req: Request) -> None:
+        """Release ``req`` without inserting anything it computed (a failed forward, a
+        cancelled request): its own slots are freed, its lock and row returned."""
+        self._check_live(req)
+        if len(req.slots) > req.prefix_len:
+            self.allocator.free(req.slots[req.prefix_len :])
+        self.tree.dec_lock_ref(req.node)
+        self.req_to_token.free(req.row)
+        req.finished = True
+
     def _check_live(self, req: Request) -> None:
+        self._check_open()
         if not isinstance(req, Request) or req.finished:
             raise StateError(f"request {req!r:.60} is finished or not from this cache")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this TieredKVCache is closed")
 
     # -- housekeeping -------------------------------------------------------------------------
     def poll(self) -> None:
@@ -330,9 +371,11 @@ class TieredKVCache:
             },
             "storage": {
                 "checksum_failures": st.checksum_failures if st else 0,
-                "errors": self.tree.storage_errors
-                + (ctl.storage_errors if ctl else 0)
-                + (sum(st.errors.values()) if st else 0),
+                # The tree counts every failed storage call and, when it acknowledges them,
+                # every failed background operation (the controller counts those too: adding
+                # its count would count each failure twice); the store counts the disk trouble
+                # it absorbs itself.
+                "errors": self.tree.storage_errors + (sum(st.errors.values()) if st else 0),
                 "pages": st.pages if st else 0,
             },
             "occupancy": {
@@ -345,8 +388,19 @@ class TieredKVCache:
         return prometheus_text(self.stats())
 
     def close(self) -> None:
+        """Wait for the copies in flight, stop the background threads, close the store. Safe to
+        call twice; requests cannot begin, extend or finish afterwards."""
+        self._closed = True
         if self.controller is not None:
             self.drain()
             self.controller.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _token_ids(tokens) -> list[int]:
+    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor)."""
+    try:
+        return [operator.index(t) for t in tokens]
+    except TypeError as exc:
+        raise InvalidArgumentError(f"tokens must be integer ids: {exc}") from None

@@ -64,6 +64,7 @@ class _CopyOp:
     event: CopyEvent
     nbytes: int
     layer_events: list[CopyEvent] = field(default_factory=list)
+    slot: int | None = None  # the layer-done counter slot of a load batch
 
 
 class CacheController:
@@ -173,7 +174,11 @@ class CacheController:
             events.append(event)
         self._loads.append(
             _CopyOp(
-                [op for _, _, op in queued], events[-1], len(host_idx) * self._token_bytes, events
+                [op for _, _, op in queued],
+                events[-1],
+                len(host_idx) * self._token_bytes,
+                events,
+                slot,
             )
         )
         self.layer_done_counter.set_consumer(slot)
@@ -191,6 +196,11 @@ class CacheController:
             ok = all(not _failed(e) for e in events)
             seconds = sum(e.seconds() for e in events)
             self.transfer_stats.add(direction, op.nbytes, seconds, ok)
+            counter = self.layer_done_counter
+            if not ok and op.slot is not None and counter.consumer == op.slot:
+                # Readers must not keep hitting the failed batch's error; the cache drops the
+                # device copies that batch was filling.
+                counter.set_consumer(None)
             out.extend((op_id, ok) for op_id in op.op_ids)
         return out
 

@@ -6,6 +6,7 @@ Every check names the field and what would be valid; nothing is built from a con
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +117,17 @@ class TieredKVConfig:
                 self.storage_path is not None, "storage_path", "a directory when storage_bytes > 0"
             )
         need(
-            self.prefetch_threshold >= 0 and is_int(self.prefetch_threshold),
+            self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
+            "storage_path",
+            "None or a directory path (str or os.PathLike)",
+        )
+        need(
+            self.namespace_salt is None or isinstance(self.namespace_salt, str),
+            "namespace_salt",
+            "None or a str",
+        )
+        need(
+            is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
             "prefetch_threshold",
             "an int >= 0 (tokens)",
         )

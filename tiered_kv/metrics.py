@@ -3,6 +3,8 @@ storage errors; as a flat dict and as Prometheus text exposition."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass
 
 TIERS = ("device", "host", "storage")
@@ -37,41 +39,75 @@ class HitCounters:
         self.missed += r.missed
 
 
+# Cumulative values (Prometheus counters); everything else is a gauge. ``transfer`` holds a
+# rate (gbps) besides its counters.
+_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions"}
+_GAUGE_KEYS = {"gbps"}
+_COUNTER_KEYS = {"checksum_failures", "errors"}
+_BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def _metric_name(name: str) -> str:
+    name = _BAD_NAME.sub("_", name)
+    return name if not name[:1].isdigit() else f"_{name}"
+
+
+def _label_value(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _sample_value(value: float) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return repr(value)
+    return str(int(value))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def prometheus_text(stats: dict, prefix: str = "tiered_kv") -> str:
     """Prometheus text format (0.0.4) of the numeric leaves of ``stats`` (nested dicts are
     flattened into labels: ``{"transfer": {"host_to_device": {"bytes": 1}}}`` becomes
-    ``tiered_kv_transfer_bytes{direction="host_to_device"} 1``)."""
-    families: dict[str, list[str]] = {}
+    ``tiered_kv_transfer_bytes{direction="host_to_device"} 1``). Each family gets one
+    ``# TYPE`` line followed by all its samples; cumulative values are counters."""
+    families: dict[str, tuple[bool, list[str]]] = {}
 
-    def emit(name: str, labels: dict[str, str], value: float) -> None:
-        metric = f"{prefix}_{name}"
-        label = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        families.setdefault(metric, []).append(
-            f"{metric}{{{label}}} {value}" if label else f"{metric} {value}"
-        )
+    def emit(name: str, labels: dict[str, str], value: float, counter: bool) -> None:
+        metric = _metric_name(f"{prefix}_{name}")
+        label = ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items())
+        sample = f"{metric}{{{label}}}" if label else metric
+        _, samples = families.setdefault(metric, (counter, []))
+        samples.append(f"{sample} {_sample_value(value)}")
 
     label_of = {"hits": "tier", "transfer": "direction", "evictions": "tier"}
     for group, body in stats.items():
+        in_counter_group = group in _COUNTER_GROUPS
         if isinstance(body, dict) and group in label_of:
             for sub, values in body.items():
                 if isinstance(values, dict):
                     for k, v in values.items():
-                        if isinstance(v, (int, float)) and not isinstance(v, bool):
-                            emit(f"{group}_{k}", {label_of[group]: sub}, v)
-                elif isinstance(values, (int, float)):
-                    emit(f"{group}_tokens_total", {label_of[group]: sub}, values)
+                        if _is_number(v):
+                            counter = in_counter_group and k not in _GAUGE_KEYS
+                            emit(f"{group}_{k}", {label_of[group]: sub}, v, counter)
+                elif _is_number(values):
+                    emit(f"{group}_tokens_total", {label_of[group]: sub}, values, True)
         elif isinstance(body, dict):
             for k, v in body.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    emit(f"{group}_{k}", {}, v)
-        elif isinstance(body, (int, float)) and not isinstance(body, bool):
-            emit(group, {}, body)
+                if _is_number(v):
+                    counter = (in_counter_group or k in _COUNTER_KEYS) and k not in _GAUGE_KEYS
+                    emit(f"{group}_{k}", {}, v, counter)
+        elif _is_number(body):
+            emit(group, {}, body, in_counter_group)
     lines: list[str] = []
-    for metric, samples in families.items():
-        counter = metric.endswith(("_total", "_bytes", "_seconds", "_ops", "_requests"))
+    for metric, (counter, samples) in families.items():
         lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
         lines.extend(samples)
-    return "\n".join(lines) + "\n"
+    return "".join(f"{line}\n" for line in lines)
 
 
 def as_dict(obj) -> dict:

@@ -33,6 +33,7 @@ class TreeNode:
         "host_ref",
         "pending",
         "hit_count",
+        "stale",
         "__weakref__",
     )
 
@@ -50,6 +51,7 @@ class TreeNode:
         # In-flight copies touching this node: {"write": op, "load": op, "backup": op}.
         self.pending: dict[str, Any] = {}
         self.hit_count = 0
+        self.stale = False  # device copy from a failed load: dropped once nothing holds it
 
     def __len__(self) -> int:
         return len(self.key)

@@ -37,10 +37,6 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _depth(node: TreeNode) -> int:
-    return sum(1 for _ in path_to_root(node))
-
-
 @dataclass
 class MatchResult:
     device_indices: torch.Tensor  # device slots of the device-resident prefix
@@ -136,10 +132,17 @@ class TieredRadixCache(TierEviction):
             n.lock_ref += 1
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        for n in path_to_root(node):
+        path = list(path_to_root(node))
+        for n in path:
             if n.lock_ref <= 0:
                 raise InvalidArgumentError(f"dec_lock_ref on unlocked {n!r}")
+        for n in path:
             n.lock_ref -= 1
+        for n in path:  # deepest first: a stale copy goes once nothing holds it
+            if n.stale and n.lock_ref == 0 and n.on_device and not n.pending:
+                if not any(c.on_device for c in n.children.values()):
+                    n.stale = False
+                    self._free_device(n)
 
     def inc_host_ref(self, node: TreeNode) -> None:
         for n in path_to_root(node):
@@ -156,9 +159,12 @@ class TieredRadixCache(TierEviction):
         key = tuple(int(t) for t in tokens)
         return key[: len(key) - len(key) % self.page_size]
 
-    def match_prefix(self, tokens, *, check_storage: bool = True) -> MatchResult:
+    def match_prefix(
+        self, tokens, *, check_storage: bool = True, count_hit: bool = True
+    ) -> MatchResult:
         """Where the longest cached page-aligned prefix of ``tokens`` lives. Counts a hit on
-        every matched node (recency, frequency, selective write-through)."""
+        every matched node (recency, frequency, selective write-through) unless ``count_hit``
+        is False (a second look at the same request's prefix)."""
         key = self._aligned(tokens)
         node, pos = self.root, 0
         dev_parts: list[torch.Tensor] = []
@@ -178,13 +184,13 @@ class TieredRadixCache(TierEviction):
             else:
                 host_len += n
             node, pos = child, pos + n
-        for n in path:
+        for n in path if count_hit else ():
             n.hit_count += 1
             if n.on_device:
                 self.device_policy.on_hit(n)
             if n.on_host:
                 self.host_policy.on_hit(n)
-        if self.write_policy == "write_through_selective":
+        if self.write_policy == "write_through_selective" and count_hit:
             todo = [
                 n
                 for n in path
@@ -353,17 +359,17 @@ class TieredRadixCache(TierEviction):
             op = self._ops.pop(op_id, None)
             if op is None:
                 continue
-            self.dec_lock_ref(op.lock_node)
-            self.dec_host_ref(op.lock_node)
             for n in op.nodes:
                 n.pending.pop("load", None)
-            if not ok:  # the device copy is garbage: drop it (the host copy stays)
-                # Deepest first (a split appends its front part to op.nodes), and only where
-                # device residency stays prefix-closed: a node that gained a device child
-                # meanwhile keeps its slots, like a locked one.
-                for n in sorted(op.nodes, key=_depth, reverse=True):
-                    if self._device_evictable(n):
-                        self._free_device(n)
+                # The device copy of a failed load is garbage: it goes as soon as nothing holds
+                # it (deepest first, keeping device residency prefix-closed); the host copy stays.
+                n.stale = n.stale or not ok
+            self.dec_lock_ref(op.lock_node)
+            self.dec_host_ref(op.lock_node)
+
+    def holds_stale(self, node: TreeNode) -> bool:
+        """Whether the path to ``node`` has a device copy from a failed load."""
+        return any(n.stale for n in path_to_root(node))
 
     # -- host -> storage ----------------------------------------------------------------------
     def _backup_to_storage(self, node: TreeNode, wait: bool = False) -> None:
@@ -427,7 +433,13 @@ class TieredRadixCache(TierEviction):
         self.evict_device(short)
         short = n - self.device_allocator.available_size()
         if short > 0 and self._ops and self.controller is not None:
+            # Copies and storage backups in flight protect nodes (a backup protects its node's
+            # ancestors too); wait for them, acknowledge, and try again.
             self.controller.wait_all()
+            for op in list(self._ops.values()):
+                if op.kind == "backup" and op.handle is not None:
+                    op.handle.done.wait()
+            self.check_all()
             self.evict_device(short)
 
     def _alloc_host(self, n: int, protect: TreeNode | None = None) -> torch.Tensor | None:

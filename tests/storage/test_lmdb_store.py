@@ -412,3 +412,31 @@ def test_reads_after_another_process_grew_the_map(tmp_path):
         assert store.batch_set([raw_key(ns, "after")], src, [0]) == [True]
     finally:
         store.close()
+
+
+def test_removed_directory_is_counted_misses_and_a_new_store_starts_clean(tmp_path, host, ns):
+    import shutil
+
+    keys = _keys(ns, 3)
+    path = tmp_path / "s"
+    store = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+    try:
+        assert store.batch_set(keys, host, [0, 1, 2]) == [True] * 3
+        shutil.rmtree(path)
+        # Reads would come from the deleted file and writes be lost: misses and skips, counted.
+        assert store.batch_exists(keys) == 0
+        assert store.batch_get(keys, host, [5, 6, 7]) == [False] * 3
+        assert store.batch_set(keys[:1], host, [0]) == [False]
+        errors = store.stats().errors
+        assert errors.get("store directory removed or replaced", 0) == 3
+        # A store opened on the recreated path gets its own, empty environment.
+        fresh = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+        try:
+            assert fresh.batch_exists(keys) == 0
+            assert fresh.batch_set(keys[:2], host, [0, 1]) == [True, True]
+            assert fresh.batch_get(keys[:2], host, [8, 9]) == [True, True]
+            assert torch.equal(host.get_page_bytes(8), host.get_page_bytes(0))
+        finally:
+            fresh.close()
+    finally:
+        store.close()

@@ -67,6 +67,13 @@ class StorageOpenError(TieredKVError):
     """The store directory cannot be created, opened or written. The message says which path."""
 
 
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
 def _u64(raw: bytes | memoryview | None) -> int:
     return 0 if raw is None else _U64.unpack(bytes(raw))[0]
 
@@ -123,6 +130,8 @@ class LMDBStorage(PageStorage):
         key = (os.path.realpath(self.path), os.getpid())
         with _ENVS_LOCK:
             entry = _ENVS.get(key)
+            if entry is not None and entry[3] != _inode(data):
+                entry = None  # the directory was removed or replaced: a new environment
             if entry is None:
                 try:
                     env = lmdb.open(
@@ -141,10 +150,12 @@ class LMDBStorage(PageStorage):
                     raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
                 # One lock per environment: a map resize must not race a transaction of another
                 # store object (another namespace) on the same environment.
-                entry = _ENVS[key] = [env, 0, threading.RLock()]
+                entry = _ENVS[key] = [env, 0, threading.RLock(), _inode(data)]
             entry[1] += 1
         self._env = entry[0]
         self._lock = entry[2]
+        self._entry = entry
+        self._data_file = data
         self._env_key = key
         self._pages = self._env.open_db(b"pages")
         self._headers = self._env.open_db(b"headers")
@@ -294,6 +305,14 @@ class LMDBStorage(PageStorage):
         for key in touched:
             self._touch(txn, key)
 
+    def _intact(self) -> bool:
+        """False (and counted) when the store's data file was removed or replaced under this
+        open environment: its reads would come from a deleted file and its writes be lost."""
+        if _inode(self._data_file) == self._entry[3]:
+            return True
+        self._stats.count_error("store directory removed or replaced")
+        return False
+
     # -- the contract -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
@@ -307,6 +326,8 @@ class LMDBStorage(PageStorage):
             return n
 
         with self._lock:
+            if not self._intact():
+                return 0
             return self._read(count)
 
     def batch_get(
@@ -314,6 +335,10 @@ class LMDBStorage(PageStorage):
     ) -> list[bool]:
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
+        if not self._intact():
+            self._stats.gets += len(keys)
+            self._stats.misses += len(keys)
+            return [False] * len(keys)
         out: list[bool] = []
         bad: list[bytes] = []
         zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))
@@ -387,6 +412,10 @@ class LMDBStorage(PageStorage):
     ) -> list[bool]:
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
+        if not self._intact():
+            self._stats.sets += len(keys)
+            self._stats.set_skipped += len(keys)
+            return [False] * len(keys)
         fp = self.namespace.fingerprint
         sums: dict[int, int] = {}
         pending: Iterator[tuple[int, int]] = iter(())
@@ -505,10 +534,10 @@ class LMDBStorage(PageStorage):
                     self.flush()
                 finally:
                     with _ENVS_LOCK:
-                        entry = _ENVS.get(self._env_key)
-                        if entry is not None:
-                            entry[1] -= 1
-                            if entry[1] <= 0:
+                        entry = self._entry
+                        entry[1] -= 1
+                        if entry[1] <= 0:
+                            if _ENVS.get(self._env_key) is entry:
                                 del _ENVS[self._env_key]
-                                entry[0].close()
+                            entry[0].close()
             self._env = None  # type: ignore[assignment]
