@@ -60,9 +60,12 @@ def test_bench_storage_cold_get_and_study_with_a_fake_cache_drop(tmp_path, monke
     assert len(lmdb_cold) == 1 and lmdb_cold[0]["need"] == 0.6
     configs = {r.config for r in report.study}
     assert (
-        len(configs) == 8 and "durable on, batch 4" in configs and "defaults, batch 32" in configs
+        len(configs) == 10
+        and "durable on, batch 4" in configs
+        and "defaults, batch 32" in configs
+        and "1 I/O thread, batch 4" in configs
     )
-    assert len(report.study) == 8 * 3 and all(r.verified for r in report.study)
+    assert len(report.study) == 10 * 3 and all(r.verified for r in report.study)
     assert "LMDB option study at 0.0625 MiB" in capsys.readouterr().out
 
 
