@@ -1,0 +1,1 @@
+"""The ``tiered-kv`` command line; see ``main.py``."""

@@ -1,0 +1,69 @@
+"""Argument types for the command line: each rejects a bad value with a message naming it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def capacity_list(text: str) -> list[float]:
+    """Comma-separated capacities: fractions of the unique blocks (0 < f <= 1, e.g. 0.05) or
+    absolute block counts (integers > 1)."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number") from None
+        if value <= 0 or (value > 1 and value != int(value)):
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: give a fraction of the unique blocks in (0, 1] or a whole block count"
+            )
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError("no capacities given")
+    return out
+
+
+def name_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in str(text).split(",") if p.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(bad) or 'nothing'}: use one or more of {', '.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("TIERED_KV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tiered_kv"
+    )
+    return Path(base)

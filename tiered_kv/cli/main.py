@@ -1,0 +1,107 @@
+"""``tiered-kv``: the command line (``run``, ``sim``, ``bench``).
+
+Every subcommand shows its defaults in ``--help``, validates its arguments (a bad value exits
+with status 2 and a message naming the flag), writes ``--json PATH`` next to the printed table,
+and accepts ``--config FILE.toml`` whose keys mirror the flags (``device-tokens = 2048`` or
+``device_tokens = 2048``, at the top level or in a ``[run]`` / ``[sim]`` / ``[bench]`` table);
+flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from tiered_kv.cli import bench_cmd, run_cmd, sim_cmd
+
+COMMANDS = {"run": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tiered-kv",
+        description="Tiered KV-cache store: serve with offload, benchmark host memory, "
+        "replay hit-rate experiments.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, module in COMMANDS.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        p.add_argument("--config", metavar="FILE.toml", help="TOML file of flag values")
+        p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+        module.add_arguments(p)
+    return parser
+
+
+def _config_defaults(
+    parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, command: str, path: str
+) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        parser.exit(2, f"tiered-kv {command}: error: --config {path}: {exc.strerror}\n")
+    except tomllib.TOMLDecodeError as exc:
+        parser.exit(2, f"tiered-kv {command}: error: --config {path}: not TOML ({exc})\n")
+    section = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    section.update(data.get(command, {}))
+    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in section.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            valid = ", ".join(sorted(d.replace("_", "-") for d in known))
+            parser.exit(
+                2,
+                f"tiered-kv {command}: error: --config {path}: unknown key {key!r}; "
+                f"valid keys: {valid}\n",
+            )
+        action = known[dest]
+        if action.type is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value if isinstance(value, str) else str(value))
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                parser.exit(
+                    2, f"tiered-kv {command}: error: --config {path}: {key}={value!r}: {exc}\n"
+                )
+        if action.choices is not None and value not in action.choices:
+            parser.exit(
+                2,
+                f"tiered-kv {command}: error: --config {path}: {key}={value!r} is "
+                f"not one of {', '.join(map(str, action.choices))}\n",
+            )
+        out[dest] = value
+    return out
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+        sub.set_defaults(**_config_defaults(parser, sub, args.command, args.config))
+        args = parser.parse_args(argv)
+    COMMANDS[args.command].validate(
+        args, parser._subparsers._group_actions[0].choices[args.command]
+    )  # noqa: SLF001
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    return COMMANDS[args.command].main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

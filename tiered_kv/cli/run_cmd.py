@@ -1,0 +1,253 @@
+"""Serve a multi-turn, long-context workload on the tiered cache with a small Llama-style model.
+
+Several users share system prompts and talk for several rounds; each prompt is a system prompt,
+the user's history and a new question. The tiers are sized so the device overflows into host
+and host into the LMDB store (kept under --store, so a second run starts with the first run's
+pages on disk). Every request's logits are checked against the same request computed with
+caching disabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import time
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from tiered_kv.cache import TieredKVCache
+from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
+from tiered_kv.cli.report import table, write_json
+from tiered_kv.config import PREFETCH_POLICIES, TieredKVConfig
+from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.engine.serve import Server
+from tiered_kv.eviction import POLICIES
+from tiered_kv.tiered_radix_cache import WRITE_POLICIES
+
+HELP = "serve a multi-turn long-context workload with offload and verify the restored KV"
+REL_TOLERANCE = 1e-6
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--users", type=positive_int, default=6)
+    w.add_argument("--rounds", type=positive_int, default=3)
+    w.add_argument("--system-prompts", type=positive_int, default=2)
+    w.add_argument("--system-tokens", type=positive_int, default=384)
+    w.add_argument("--question-tokens", type=positive_int, default=64)
+    w.add_argument("--answer-tokens", type=non_negative_int, default=16, help="decoded per turn")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model (random weights from --seed)")
+    m.add_argument("--layers", type=positive_int, default=4)
+    m.add_argument("--hidden", type=positive_int, default=128)
+    m.add_argument("--heads", type=positive_int, default=4)
+    m.add_argument("--kv-heads", type=positive_int, default=2)
+    m.add_argument("--head-dim", type=positive_int, default=32)
+    c = p.add_argument_group("cache")
+    c.add_argument("--page-size", type=positive_int, default=16)
+    c.add_argument("--device-tokens", type=positive_int, default=1024)
+    c.add_argument("--host-tokens", type=positive_int, default=1536)
+    c.add_argument("--storage-mib", type=positive_int, default=256)
+    c.add_argument(
+        "--store",
+        default=str(default_cache_dir() / "run-store"),
+        help="LMDB store directory (kept between runs)",
+    )
+    c.add_argument("--fresh", action="store_true", help="empty the store first")
+    c.add_argument(
+        "--host-layout",
+        default="page_first",
+        choices=("layer_first", "page_first", "page_first_direct"),
+    )
+    c.add_argument("--device-policy", default="lru", choices=POLICIES)
+    c.add_argument("--host-policy", default="lru", choices=POLICIES)
+    c.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
+    c.add_argument("--prefetch-policy", default="wait_complete", choices=PREFETCH_POLICIES)
+    c.add_argument("--prefetch-threshold", type=non_negative_int, default=16, help="tokens")
+    p.add_argument("--no-verify", action="store_true", help="skip the no-cache recomputation")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.head_dim % 2:
+        parser.error(f"--head-dim {args.head_dim} must be even (RoPE)")
+    ps = args.page_size
+    if ps & (ps - 1):
+        parser.error(f"--page-size {ps} must be a power of two")
+    for flag in ("device_tokens", "host_tokens"):
+        v = getattr(args, flag)
+        if v % ps or v < 2 * ps:
+            parser.error(
+                f"--{flag.replace('_', '-')} {v} must be a multiple of --page-size "
+                f"{ps} and at least two pages"
+            )
+    longest = (
+        args.system_tokens
+        + args.rounds * (args.question_tokens + args.answer_tokens)
+        + args.page_size
+    )
+    if longest > args.device_tokens:
+        parser.error(
+            f"the last round's prompt needs up to {longest} tokens on the device; "
+            f"raise --device-tokens (now {args.device_tokens}) or shrink the workload"
+        )
+
+
+def workload(args) -> list[tuple[int, int, list[int]]]:
+    """(user, round, question tokens) in serving order; histories are built while serving."""
+    rng = random.Random(args.seed)
+    order = []
+    for r in range(args.rounds):
+        users = list(range(args.users))
+        rng.shuffle(users)
+        order += [
+            (u, r, [rng.randrange(1, 500) for _ in range(args.question_tokens)]) for u in users
+        ]
+    return order
+
+
+def main(args: argparse.Namespace) -> int:
+    store = args.store
+    if args.fresh:
+        shutil.rmtree(store, ignore_errors=True)
+    mc = ModelConfig(
+        num_layers=args.layers,
+        hidden=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        seed=args.seed,
+    )
+    cfg = TieredKVConfig(
+        num_layers=args.layers,
+        head_num=args.kv_heads,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+        device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens,
+        storage_bytes=args.storage_mib << 20,
+        storage_path=store,
+        host_layout=args.host_layout,
+        device_policy=args.device_policy,
+        host_policy=args.host_policy,
+        write_policy=args.write_policy,
+        prefetch_policy=args.prefetch_policy,
+        prefetch_threshold=args.prefetch_threshold,
+        max_context_len=max(
+            8192,
+            args.system_tokens + args.rounds * (args.question_tokens + args.answer_tokens) + 64,
+        ),
+    )
+    rng = random.Random(args.seed + 1)
+    systems = [
+        [rng.randrange(1, 500) for _ in range(args.system_tokens)]
+        for _ in range(args.system_prompts)
+    ]
+    history: dict[int, list[int]] = {u: [] for u in range(args.users)}
+    model = TinyLlama(mc)
+    cache = TieredKVCache(cfg)
+    records = []
+    t0 = time.perf_counter()
+    try:
+        server = Server(model, cache)
+        plan = workload(args)
+        for user, rnd, question in tqdm(plan, desc="serving", unit="req", disable=args.no_progress):
+            prompt = systems[user % args.system_prompts] + history[user] + question
+            out, rec = server.serve(prompt, args.answer_tokens, verify=not args.no_verify)
+            history[user] = history[user] + question + out
+            records.append({"user": user, "round": rnd, **asdict(rec)})
+        cache.drain()
+        stats = cache.stats()
+    finally:
+        cache.close()
+    elapsed = time.perf_counter() - t0
+    result = summarize(args, cfg, records, stats, elapsed)
+    print_report(result)
+    write_json(args.json, result)
+    return 0 if result["verification"]["passed"] else 1
+
+
+def summarize(args, cfg, records, stats, elapsed) -> dict:
+    prompt = sum(r["prompt_tokens"] for r in records)
+    hits = {t: sum(r[t] for r in records) for t in ("device", "host", "storage", "recomputed")}
+    verified = [r for r in records if r["max_rel_diff"] is not None]
+    worst = max((r["max_rel_diff"] for r in verified), default=None)
+    passed = bool(verified) and all(r["max_rel_diff"] <= REL_TOLERANCE for r in verified)
+    cached = [r for r in records if r["recomputed"] * 2 <= r["prompt_tokens"]]
+    ttft = {
+        "requests_compared": len(cached),
+        "restored_median_s": statistics.median(r["ttft_s"] for r in cached) if cached else None,
+        "recompute_median_s": statistics.median(r["recompute_ttft_s"] for r in cached)
+        if cached and all(r["recompute_ttft_s"] is not None for r in cached)
+        else None,
+    }
+    if ttft["restored_median_s"] and ttft["recompute_median_s"]:
+        ttft["speedup"] = ttft["recompute_median_s"] / ttft["restored_median_s"]
+    return {
+        "command": "run",
+        "store": args.store,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "config")},
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "generated_tokens": sum(r["new_tokens"] for r in records),
+        "hits": hits,
+        "transfers": stats["transfer"],
+        "evictions": stats["evictions"],
+        "storage": stats["storage"],
+        "ttft": ttft,
+        "verification": {
+            "requests": len(verified),
+            "bitwise": sum(bool(r["bitwise"]) for r in verified),
+            "max_rel_diff": worst,
+            "tolerance": REL_TOLERANCE,
+            "passed": passed if verified else None,
+        },
+        "elapsed_s": elapsed,
+        "per_request": records,
+    }
+
+
+def print_report(res: dict) -> None:
+    total = max(1, res["prompt_tokens"])
+    h = res["hits"]
+    print(
+        f"\n{res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
+        f"{res['generated_tokens']} generated, {res['elapsed_s']:.1f} s; store {res['store']}"
+    )
+    print(
+        table(
+            ["prompt tokens from", "tokens", "share"],
+            [[t, h[t], f"{100 * h[t] / total:.1f}%"] for t in h],
+        )
+    )
+    rows = [
+        [d, v["bytes"] / 2**20, v["seconds"] * 1e3, v["gbps"], v["ops"], v["failed_ops"]]
+        for d, v in res["transfers"].items()
+    ]
+    print()
+    print(table(["transfer", "MiB", "ms", "GB/s", "ops", "failed"], rows))
+    t = res["ttft"]
+    print()
+    if t["restored_median_s"] is not None and t["recompute_median_s"] is not None:
+        print(
+            f"time to first token (median of {t['requests_compared']} requests with at least "
+            f"half the prompt cached): restored {t['restored_median_s'] * 1e3:.1f} ms, "
+            f"recomputed {t['recompute_median_s'] * 1e3:.1f} ms "
+            f"({t.get('speedup', 0):.1f}x)"
+        )
+    else:
+        print("time to first token: no request had half its prompt cached (or --no-verify)")
+    v = res["verification"]
+    if v["passed"] is None:
+        print("verification: skipped (--no-verify)")
+    else:
+        print(
+            f"verification: {v['requests']} requests against a no-cache run, "
+            f"{v['bitwise']} bitwise equal, max relative difference {v['max_rel_diff']:.2e} "
+            f"(tolerance {v['tolerance']:g}): {'PASS' if v['passed'] else 'FAIL'}"
+        )

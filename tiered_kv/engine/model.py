@@ -1,0 +1,177 @@
+"""A small Llama-style decoder in torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Weights are random from a fixed seed (the point is the KV path, not the text). The model reads
+and writes KV only through a :class:`KVAccess` (the paged device pool in serving, dense tensors
+for the no-cache reference), so the same forward serves both.
+
+Determinism: every per-token computation runs in chunks of ``chunk`` rows aligned to absolute
+positions (``chunk`` divides the KV page size), and attention for a chunk ending at position e
+reads exactly keys ``0..e-1`` with a causal mask. A token's KV therefore comes out of the same
+shapes of the same ops whether it was computed in an earlier request (and restored from host or
+disk) or computed now, so on CPU the logits of a request served from restored KV equal, bit for
+bit, the logits with caching disabled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tiered_kv._checks import check_positive_int
+from tiered_kv.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    hidden: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in (
+            "vocab_size",
+            "hidden",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+        ):
+            check_positive_int(f, getattr(self, f))
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+                f"{self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise InvalidArgumentError(f"head_dim={self.head_dim} must be even (RoPE pairs)")
+
+
+class KVAccess(Protocol):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V (``(n, kv_heads, head_dim)``) of the tokens being computed."""
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the request's tokens ``0..end-1`` (``(end, kv_heads, head_dim)``)."""
+
+
+class DenseKV:
+    """KV in plain per-layer tensors: the reference with caching disabled."""
+
+    def __init__(self, cfg: ModelConfig, max_tokens: int) -> None:
+        shape = (max_tokens, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.empty(shape) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape) for _ in range(cfg.num_layers)]
+        self.start = 0  # position of the first row being written
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][self.start : self.start + len(k)] = k
+        self.v[layer][self.start : self.start + len(v)] = v
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:end], self.v[layer][:end]
+
+
+class TinyLlama:
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def w(*shape: int, fan_in: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) / math.sqrt(fan_in)
+
+        h, hd = cfg.hidden, cfg.head_dim
+        self.embed = torch.randn(cfg.vocab_size, h, generator=g)
+        self.layers = []
+        for _ in range(cfg.num_layers):
+            self.layers.append(
+                {
+                    "attn_norm": 1 + 0.1 * torch.randn(h, generator=g),
+                    "wq": w(h, cfg.num_heads * hd, fan_in=h),
+                    "wk": w(h, cfg.num_kv_heads * hd, fan_in=h),
+                    "wv": w(h, cfg.num_kv_heads * hd, fan_in=h),
+                    "wo": w(cfg.num_heads * hd, h, fan_in=cfg.num_heads * hd),
+                    "mlp_norm": 1 + 0.1 * torch.randn(h, generator=g),
+                    "w1": w(h, cfg.intermediate, fan_in=h),
+                    "w3": w(h, cfg.intermediate, fan_in=h),
+                    "w2": w(cfg.intermediate, h, fan_in=cfg.intermediate),
+                }
+            )
+        self.final_norm = 1 + 0.1 * torch.randn(h, generator=g)
+        self.lm_head = w(h, cfg.vocab_size, fan_in=h)
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        self._inv_freq = inv
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps) * weight
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        cos = angles.cos().to(x.dtype)[:, None, :]
+        sin = angles.sin().to(x.dtype)[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal GQA for queries at positions ``start..start+n-1`` over keys ``0..start+n-1``."""
+        cfg = self.cfg
+        n, end = q.shape[0], k.shape[0]
+        group = cfg.num_heads // cfg.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)  # (end, heads, hd)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)
+        pos_q = torch.arange(start, start + n)[:, None]
+        mask = torch.arange(end)[None, :] > pos_q
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, v).reshape(n, cfg.num_heads * cfg.head_dim)
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, start: int, kv: KVAccess, chunk: int) -> torch.Tensor:
+        """Logits for ``tokens`` at positions ``start..``; their KV goes to ``kv``, earlier
+        positions' KV comes from it. ``start`` must be a multiple of ``chunk`` unless this is a
+        single decode step continuing a chunk (see the module docstring)."""
+        check_positive_int("chunk", chunk)
+        out = []
+        pos = start
+        tokens = tokens.to(torch.int64)
+        while pos < start + len(tokens):
+            end = min(start + len(tokens), (pos // chunk + 1) * chunk)
+            out.append(self._forward_chunk(tokens[pos - start : end - start], pos, kv))
+            pos = end
+        return torch.cat(out)
+
+    def _forward_chunk(self, tokens: torch.Tensor, start: int, kv: KVAccess) -> torch.Tensor:
+        cfg = self.cfg
+        n, hd = len(tokens), cfg.head_dim
+        positions = torch.arange(start, start + n)
+        if hasattr(kv, "start"):
+            kv.start = start
+        x = self.embed[tokens]
+        for i, p in enumerate(self.layers):
+            h = self._rms(x, p["attn_norm"])
+            q = self._rope((h @ p["wq"]).view(n, cfg.num_heads, hd), positions)
+            k = self._rope((h @ p["wk"]).view(n, cfg.num_kv_heads, hd), positions)
+            v = (h @ p["wv"]).view(n, cfg.num_kv_heads, hd)
+            kv.write(i, k, v)
+            keys, values = kv.read(i, start + n)
+            x = x + self._attend(q, keys, values, start) @ p["wo"]
+            h = self._rms(x, p["mlp_norm"])
+            x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+        return self._rms(x, self.final_norm) @ self.lm_head

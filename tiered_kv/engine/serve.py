@@ -1,0 +1,119 @@
+"""The reference serving loop: :class:`TinyLlama` on a :class:`TieredKVCache`, one request at a
+time, as a real engine would drive the cache.
+
+Per request: ``begin`` (match the prompt on every tier; storage hits are prefetched to host, host
+hits loaded to the device layer by layer), ``extend`` for the missed tokens (``alloc_extend``),
+prefill through the paged KV (writes go through ``KVWriteLoc``, reads through ``req_to_token``
+and the device pool, which waits for each layer's load), then greedy decoding one token at a
+time (``alloc_decode``), then ``finish`` (the sequence goes into the tree; its pages move down
+the tiers as memory fills). With ``verify``, the same prompt and decode are recomputed with
+caching disabled and every logit compared.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tiered_kv.cache import Request, TieredKVCache
+from tiered_kv.engine.model import DenseKV, TinyLlama
+
+
+class PagedKV:
+    """KV access for one request through the device pool and its row of ``req_to_token``."""
+
+    def __init__(self, cache: TieredKVCache, req: Request) -> None:
+        self.cache = cache
+        self.req = req
+        self.start = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        row = self.cache.req_to_token.req_to_token[self.req.row]
+        slots = row[self.start : self.start + len(k)].to(torch.int64)
+        self.cache.write_kv(layer, slots, k, v)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
+        pool = self.cache.device_pool
+        return pool.get_key_buffer(layer)[idx], pool.get_value_buffer(layer)[idx]
+
+
+@dataclass
+class RequestRecord:
+    request: int
+    prompt_tokens: int
+    new_tokens: int
+    device: int
+    host: int
+    storage: int
+    recomputed: int
+    ttft_s: float  # begin -> logits of the last prompt token, served from the cache
+    total_s: float
+    recompute_ttft_s: float | None = None  # the same prompt with caching disabled
+    max_rel_diff: float | None = None  # over every logit of prefill and decode (0.0: bitwise)
+    bitwise: bool | None = None
+
+
+class Server:
+    def __init__(self, model: TinyLlama, cache: TieredKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.chunk = cache.config.page_size
+        if model.cfg.num_layers != cache.config.num_layers:
+            raise ValueError(
+                f"model has {model.cfg.num_layers} layers, the cache {cache.config.num_layers}"
+            )
+        self._count = 0
+
+    def serve(
+        self, prompt: list[int], max_new_tokens: int, *, verify: bool = False
+    ) -> tuple[list[int], RequestRecord]:
+        cache, model = self.cache, self.model
+        t0 = time.perf_counter()
+        req = cache.begin(prompt)
+        prefix = req.prefix_len
+        cache.extend(req, prompt[prefix:])
+        kv = PagedKV(cache, req)
+        logits = model.forward(torch.tensor(prompt[prefix:]), prefix, kv, self.chunk)
+        ttft = time.perf_counter() - t0
+        served = [logits[-1]]
+        out: list[int] = []
+        pos = len(prompt)
+        for _ in range(max_new_tokens):
+            token = int(served[-1].argmax())
+            out.append(token)
+            cache.decode(req, token)
+            served.append(model.forward(torch.tensor([token]), pos, kv, self.chunk)[-1])
+            pos += 1
+        cache.finish(req)
+        cache.poll()
+        total = time.perf_counter() - t0
+        h = req.hits
+        self._count += 1
+        record = RequestRecord(
+            self._count, len(prompt), len(out), h.device, h.host, h.storage, h.missed, ttft, total
+        )
+        if verify:
+            self._verify(prompt, out, served, record)
+        return out, record
+
+    def _verify(self, prompt, out, served, record: RequestRecord) -> None:
+        """Recompute with caching disabled; compare every logit the served run produced."""
+        model = self.model
+        dense = DenseKV(model.cfg, len(prompt) + len(out) + 1)
+        t = time.perf_counter()
+        logits = model.forward(torch.tensor(prompt), 0, dense, self.chunk)
+        record.recompute_ttft_s = time.perf_counter() - t
+        ref = [logits[-1]]
+        for i, token in enumerate(out):
+            ref.append(model.forward(torch.tensor([token]), len(prompt) + i, dense, self.chunk)[-1])
+        worst = 0.0
+        bitwise = True
+        for a, b in zip(served, ref, strict=True):
+            bitwise = bitwise and torch.equal(a, b)
+            scale = b.abs().max().clamp_min(1e-30)
+            worst = max(worst, float((a - b).abs().max() / scale))
+        record.max_rel_diff = worst
+        record.bitwise = bitwise
