@@ -31,13 +31,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu"
 
+# The main job: serve a multi-turn long-context workload with offload and verify the restored
+# KV (the LMDB store stays under ~/.cache/tiered_kv/run-store: run it twice to see restart reuse).
 run: $(STAMP)
-	$(PY) benchmarks/bench_allocator.py --quick
-	$(PY) benchmarks/bench_transfer.py --quick --page-sizes 16,64 --kernel-backends native
+	$(VENV)/bin/tiered-kv run
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py
 	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_storage.py
+	$(PY) benchmarks/bench_tiered.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check tiered_kv tests benchmarks
