@@ -170,13 +170,7 @@ class TieredRadixCache(TierEviction):
         dev_parts: list[torch.Tensor] = []
         last_dev, dev_len, host_len = self.root, 0, 0
         path = []
-        while pos < len(key):
-            child = node.children.get(first_page(key[pos:], self.page_size))
-            if child is None:
-                break
-            n = common_pages(child.key, key[pos:], self.page_size)
-            if n < len(child):
-                child = self._split(child, n)
+        for child, n in self._descend(key):
             path.append(child)
             if child.on_device:
                 dev_parts.append(child.device)
@@ -215,6 +209,20 @@ class TieredRadixCache(TierEviction):
             storage_len = found * self.page_size
         device = torch.cat(dev_parts) if dev_parts else _EMPTY
         return MatchResult(device, last_dev, node, dev_len, host_len, storage_len, storage_keys)
+
+    def _descend(self, key: tuple):
+        """Follow ``key`` down from the root, yielding (node, tokens matched in it); a node
+        matched only in part is split first, so every yielded node is matched whole."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(first_page(key[pos:], self.page_size))
+            if child is None:
+                return
+            n = common_pages(child.key, key[pos:], self.page_size)
+            if n < len(child):
+                child = self._split(child, n)
+            yield child, n
+            node, pos = child, pos + n
 
     def _keys(self, key: tuple, prior: bytes) -> list[bytes]:
         fp = self.namespace.fingerprint
@@ -515,13 +523,7 @@ class TieredRadixCache(TierEviction):
         """Attach host slots for ``key[start:]`` below the path of ``key[:start]``; slots for
         tokens the tree already holds (or cannot attach) are freed. Returns tokens attached."""
         node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(first_page(key[pos:], self.page_size))
-            if child is None:
-                break
-            n = common_pages(child.key, key[pos:], self.page_size)
-            if n < len(child):
-                child = self._split(child, n)
+        for child, n in self._descend(key):
             node, pos = child, pos + n
         if pos < start:  # the prefix left the tree meanwhile
             self.host_pool.free(host)

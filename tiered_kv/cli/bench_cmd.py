@@ -95,6 +95,7 @@ def _device_host(args, layout, io, page, pin, device) -> dict:
         )
     (decl,) = pool.host_pool_decls()
     host = host_pool_for(decl, alloc, layout=layout, size_tokens=args.tokens, pin=pin)
+    pinned = host.pinned  # destroy() below unpins: read it now
     nbytes = args.tokens * decl.bytes_per_token_per_layer * args.layers
     src_c = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst_c = torch.empty(nbytes, dtype=torch.uint8, pin_memory=bool(pin and device.type == "cuda"))
@@ -136,7 +137,7 @@ def _device_host(args, layout, io, page, pin, device) -> dict:
         "layout": layout,
         "io_backend": io,
         "page_size": page,
-        "pinned": host.pinned,
+        "pinned": pinned,
         "mib": nbytes / 2**20,
         "baseline_gbps": base,
     }
@@ -160,6 +161,7 @@ def _host_storage(args) -> dict:
         torch.randint(0, 256, host.buffer.view(torch.uint8).shape, dtype=torch.uint8)
     )
     n = args.tokens // page
+    page_nbytes = host.page_nbytes  # read before host.destroy() below
     ns = StorageNamespace.for_host_pool(host, tenant="bench")
     keys = [bytes([i % 256, i // 256]) for i in range(n)]
     keys = [ns.fingerprint + (k * 16)[:32] for k in keys]
@@ -168,7 +170,7 @@ def _host_storage(args) -> dict:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as d:
                 store = LMDBStorage(
-                    d, ns, host.page_nbytes, budget_bytes=4 * n * host.page_nbytes + (64 << 20)
+                    d, ns, page_nbytes, budget_bytes=4 * n * page_nbytes + (64 << 20)
                 )
                 try:
                     sets.append(
@@ -194,10 +196,10 @@ def _host_storage(args) -> dict:
                     store.close()
     finally:
         host.destroy()
-    nbytes = n * host.page_nbytes
+    nbytes = n * page_nbytes
     return {
         "pages": n,
-        "page_mib": host.page_nbytes / 2**20,
+        "page_mib": page_nbytes / 2**20,
         "mib": nbytes / 2**20,
         "set_gbps": nbytes / statistics.median(sets) / 1e9,
         "warm_get_gbps": nbytes / statistics.median(gets) / 1e9,
