@@ -12,6 +12,7 @@ host, digest and pending-copy state stay consistent.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,3 +138,14 @@ def walk(root: TreeNode):
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+@dataclass
+class PendingOp:
+    """A copy in flight that touches tree nodes (write, load, backup or prefetch)."""
+
+    kind: str
+    nodes: list[TreeNode]
+    lock_node: TreeNode | None = None
+    handle: Any = None
+    extra: Any = None

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE.toml", help="TOML file of flag values")
         p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
         module.add_arguments(p)
+        for action in p._actions:  # noqa: SLF001
+            # ArgumentDefaultsHelpFormatter only annotates options that have help text.
+            if action.help is None and action.default is not argparse.SUPPRESS:
+                action.help = "(default: %(default)s)"
     return parser
 
 
@@ -54,33 +58,42 @@ def _config_defaults(
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: {exc.strerror}\n")
     except tomllib.TOMLDecodeError as exc:
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: not TOML ({exc})\n")
-    section = {k: v for k, v in data.items() if not isinstance(v, dict)}
+
+    def fail(message: str) -> None:
+        parser.exit(2, f"tiered-kv {command}: error: --config {path}: {message}\n")
+
+    tables = [k for k, v in data.items() if isinstance(v, dict)]
+    for name in tables:
+        if name not in COMMANDS:
+            fail(f"unknown table [{name}]; tables: {', '.join(f'[{c}]' for c in COMMANDS)}")
+    section = {k: v for k, v in data.items() if k not in tables}
     section.update(data.get(command, {}))
-    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}  # noqa: SLF001
     out = {}
     for key, value in section.items():
         dest = key.replace("-", "_")
         if dest not in known:
             valid = ", ".join(sorted(d.replace("_", "-") for d in known))
-            parser.exit(
-                2,
-                f"tiered-kv {command}: error: --config {path}: unknown key {key!r}; "
-                f"valid keys: {valid}\n",
-            )
+            fail(f"unknown key {key!r}; valid keys: {valid}")
         action = known[dest]
-        if action.type is not None and not isinstance(value, bool):
+        if isinstance(action, argparse._StoreConstAction):  # noqa: SLF001 - store_true flags
+            if not isinstance(value, bool):
+                fail(f"{key}={value!r}: must be true or false")
+            out[dest] = action.const if value else action.default
+            continue
+        if isinstance(value, list):  # comma-separated flags: ["lru", "lfu"] or [0.1, 0.5]
+            value = ",".join(map(str, value))
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            fail(f"{key}={value!r}: expected a value like the flag's, not {type(value).__name__}")
+        if action.type is not None:
             try:
                 value = action.type(value if isinstance(value, str) else str(value))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-                parser.exit(
-                    2, f"tiered-kv {command}: error: --config {path}: {key}={value!r}: {exc}\n"
-                )
+                fail(f"{key}={value!r}: {exc}")
+        else:
+            value = str(value)  # paths, and --page-sizes = 16
         if action.choices is not None and value not in action.choices:
-            parser.exit(
-                2,
-                f"tiered-kv {command}: error: --config {path}: {key}={value!r} is "
-                f"not one of {', '.join(map(str, action.choices))}\n",
-            )
+            fail(f"{key}={value!r} is not one of {', '.join(map(str, action.choices))}")
         out[dest] = value
     return out
 

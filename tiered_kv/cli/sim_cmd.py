@@ -13,6 +13,7 @@ tier holding a block.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from tqdm import tqdm
@@ -80,6 +81,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--storage needs a host tier (--host-ratio > 0)")
     if args.plot and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot {args.plot} must be a .png path")
+    if args.trace:
+        try:
+            with open(args.trace, "rb"):
+                pass
+        except OSError as exc:
+            parser.error(f"--trace {args.trace}: {exc.strerror or exc}")
 
 
 def load_trace(args):
@@ -164,7 +171,15 @@ def sweep(trace, capacities, policies, host_ratio, storage, write_policy, progre
 
 
 def main(args: argparse.Namespace) -> int:
-    trace = load_trace(args)
+    try:
+        trace = load_trace(args)
+    except (OSError, InvalidArgumentError) as exc:
+        if not args.trace:
+            raise
+        # A malformed (or vanished) trace is a bad argument: exit 2 like argparse, no traceback.
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"tiered-kv sim: error: --trace {args.trace}: {detail}", file=sys.stderr)
+        raise SystemExit(2) from None
     result = sweep(
         trace,
         args.capacities,

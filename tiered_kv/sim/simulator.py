@@ -212,7 +212,8 @@ class SimCache:
         if m.storage_keys:
             op = tree.start_prefetch(m, blocks)
             if op is not None and tree.finish_prefetch(op, None):
-                m2 = tree.match_prefix(blocks, check_storage=False)
+                # A second look at this request's prefix: no second hit (as TieredKVCache.begin).
+                m2 = tree.match_prefix(blocks, check_storage=False, count_hit=False)
                 storage = max(0, m2.device_hit_length + m2.host_hit_length - dev - host)
                 node = m2.last_node
         if node is not m.last_device_node and not node.on_device:

@@ -23,6 +23,7 @@ class TraceRequest:
     blocks: tuple[int, ...]
     timestamp: float = 0.0
     output_length: int = 0
+    input_length: int = 0  # prompt tokens (generators: the block-rounded prompt)
 
 
 def unique_blocks(trace: list[TraceRequest]) -> int:
@@ -40,11 +41,16 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
             try:
                 row = json.loads(line)
                 ids = row["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                if not isinstance(ids, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids
+                ):
                     raise TypeError("hash_ids must be a list of ints")
                 out.append(
                     TraceRequest(
-                        tuple(ids), float(row.get("timestamp", 0)), int(row.get("output_length", 0))
+                        tuple(ids),
+                        float(row.get("timestamp", 0)),
+                        int(row.get("output_length", 0)),
+                        int(row.get("input_length", 0)),
                     )
                 )
             except (ValueError, KeyError, TypeError) as exc:
@@ -100,7 +106,8 @@ def multi_round_qa(
         ("num_shared_prompts", num_shared_prompts),
     ):
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "history" else 1):
-            raise InvalidArgumentError(f"{name}={v!r} must be an int >= 1")
+            low = 0 if name == "history" else 1
+            raise InvalidArgumentError(f"{name}={v!r} must be an int >= {low}")
     rng = random.Random(seed)
     chain = _Chain()
     system = [
@@ -118,7 +125,9 @@ def multi_round_qa(
         for u in order:
             turn = [("q", u, r, i) for i in range(_blocks(answer, block_size))]
             contents = system[u % num_shared_prompts] + hist[u] + turn
-            out.append(TraceRequest(chain.ids(contents), t, answer))
+            out.append(
+                TraceRequest(chain.ids(contents), t, answer, len(contents) * block_size)
+            )
             hist[u] = hist[u] + turn + [("a", u, r, i) for i in range(_blocks(answer, block_size))]
             t += 1.0
     return out
@@ -161,5 +170,6 @@ def long_doc_qa(
     for t, (d, q) in enumerate(pairs):
         doc = [("doc", d, i) for i in range(_blocks(document_length, block_size))]
         ask = [("ask", d, q, i) for i in range(_blocks(question_length, block_size))]
-        out.append(TraceRequest(chain.ids(doc + ask), float(t), question_length))
+        blocks = chain.ids(doc + ask)
+        out.append(TraceRequest(blocks, float(t), question_length, len(blocks) * block_size))
     return out
