@@ -188,6 +188,14 @@ class TieredKVCache:
             ctl.wait_all()
         return ctl.start_loading()
 
+    def prepare_forward(self, req: Request) -> None:
+        """Make the device pool's per-layer waits follow ``req``'s host -> device load.
+        ``begin`` does this for the request it starts; call it before the forward pass of an
+        earlier-begun request when several requests are begun before their forwards run."""
+        self._check_live(req)
+        if self.controller is not None:
+            self.controller.layer_done_counter.set_consumer(req.load_slot)
+
     def _prefetch_wait(self, tokens: int) -> float | None:
         policy = self.config.prefetch_policy
         if policy == "wait_complete":

@@ -852,3 +852,38 @@ def test_close_is_idempotent_and_final(make_cache, gen):
 def test_config_type_checked(make_cache):
     with pytest.raises(InvalidArgumentError):
         TieredKVCache({"page_size": 4})
+
+
+def test_prepare_forward_points_layer_waits_at_an_earlier_request(make_cache, gen, monkeypatch):
+    """Two requests begun before either forward: prepare_forward(a) makes the layer waits follow
+    a's load, and a's restored bytes are exact even while its load is slowed."""
+    cache = make_cache(device_tokens=256, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    a, b = make_prompts(gen, [33, 29])
+    for p in (a, b):
+        model.serve(p)
+    cache.drain()
+    cache.tree.evict_device(1 << 30)
+    real = cache.host_pool.load_to_device_per_layer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", slow)
+    ra = cache.begin(a)
+    rb = cache.begin(b)
+    assert ra.hits.host == aligned(33) and rb.hits.host == aligned(29)
+    counter = cache.controller.layer_done_counter
+    assert counter.consumer == rb.load_slot != ra.load_slot
+    cache.prepare_forward(ra)
+    assert counter.consumer == ra.load_slot
+    model.check(ra)  # waits per layer on a's load, not b's
+    cache.prepare_forward(rb)
+    model.check(rb)
+    for r in (ra, rb):
+        cache.finish(r)
+    with pytest.raises(StateError):
+        cache.prepare_forward(ra)
+    cache.drain()
+    assert_no_leak(cache)
