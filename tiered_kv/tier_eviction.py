@@ -5,9 +5,10 @@ no child on the device (device residency stays prefix-closed). It keeps its plac
 if it has a host copy; under ``write_back`` it is first copied to host (waiting for the copy);
 otherwise it and everything below it leave the tree. Host: a node may go when nothing protects
 it, no copy is in flight, and it is either still on the device (only the host copy is dropped)
-or a leaf (it leaves the tree); under ``write_back`` it is first backed up to storage (waiting
-for the backup). Victims come in the tier policy's order; a parent that becomes evictable joins
-the queue.
+or a leaf (it leaves the tree); under ``write_through`` host-only nodes go before the host copies
+of device-resident ones, so the host stays inclusive while it can; under ``write_back`` a node
+is first backed up to storage (waiting for the backup). Victims come in the tier policy's
+order; a parent that becomes evictable joins the queue.
 """
 
 from __future__ import annotations
@@ -40,27 +41,34 @@ class TierEviction:
             and (n.on_device or not n.children)
         )
 
-    def _evict(self, num_tokens: int, policy: EvictionPolicy, evictable, evict_one) -> int:
+    def _evict(
+        self, num_tokens: int, policy: EvictionPolicy, evictable, evict_one, rank=None
+    ) -> int:
+        """Evict in ``policy`` order, after ``rank`` (a node -> int, lower first) if given."""
+
+        def key(n: TreeNode) -> tuple:
+            return ((rank(n),) if rank else ()) + tuple(policy.priority(n))
+
         heap, order = [], itertools.count()
         for n in walk(self.root):
             if evictable(n):
-                heapq.heappush(heap, (policy.priority(n), next(order), n))
+                heapq.heappush(heap, (key(n), next(order), n))
         freed = 0
         while freed < num_tokens and heap:
             prio, _, n = heapq.heappop(heap)
             if not evictable(n):
                 continue
-            now = policy.priority(n)
+            now = key(n)
             if now != prio:
                 heapq.heappush(heap, (now, next(order), n))
                 continue
             if policy.second_chance(n):
-                heapq.heappush(heap, (policy.priority(n), next(order), n))
+                heapq.heappush(heap, (key(n), next(order), n))
                 continue
             parent = n.parent
             freed += evict_one(n)
             if parent is not None and evictable(parent):
-                heapq.heappush(heap, (policy.priority(parent), next(order), parent))
+                heapq.heappush(heap, (key(parent), next(order), parent))
         return freed
 
     def evict_device(self, num_tokens: int) -> int:
@@ -110,8 +118,12 @@ class TierEviction:
         if self.host_pool is None:
             return 0
         self.check_all()
+        # Under write_through the host keeps a copy of what the device holds (inclusive tiers):
+        # host-only nodes go first, the copies of device-resident ones only when nothing else
+        # can.
+        rank = (lambda n: 1 if n.on_device else 0) if self.write_policy == "write_through" else None
         return self._evict(
-            num_tokens, self.host_policy, self._host_evictable, self._evict_host_node
+            num_tokens, self.host_policy, self._host_evictable, self._evict_host_node, rank
         )
 
     def _evict_host_node(self, n: TreeNode) -> int:

@@ -88,9 +88,11 @@ def _device_host(args, layout, io, page, pin, device) -> dict:
     alloc = PagedTokenToKVPoolAllocator(size, page, dtype, device, pool)
     gen = torch.Generator().manual_seed(page)
     for buf in pool.buffers():
-        buf.copy_(
-            torch.randint(-30000, 30000, buf.shape, generator=gen, dtype=torch.int16).view(
-                buf.dtype
+        # Finite values of any 2- or 4-byte dtype: random int16 halves, exponent never all-ones.
+        halves = buf.view(torch.int16)
+        halves.copy_(
+            torch.randint(-30000, 30000, halves.shape, generator=gen, dtype=torch.int16).to(
+                halves.device
             )
         )
     (decl,) = pool.host_pool_decls()

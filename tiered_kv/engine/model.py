@@ -55,6 +55,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise InvalidArgumentError(f"head_dim={self.head_dim} must be even (RoPE pairs)")
+        for f, positive in (("rope_theta", True), ("norm_eps", False)):
+            v = getattr(self, f)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v < 0 or (positive and v == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise InvalidArgumentError(
+                    f"{f}={v!r} is invalid; expected a finite number {bound}"
+                )
 
 
 class KVAccess(Protocol):
@@ -148,6 +156,9 @@ class TinyLlama:
         positions' KV comes from it. ``start`` must be a multiple of ``chunk`` unless this is a
         single decode step continuing a chunk (see the module docstring)."""
         check_positive_int("chunk", chunk)
+        check_positive_int("start", start, minimum=0)
+        if len(tokens) == 0:
+            raise InvalidArgumentError("forward needs at least one token")
         out = []
         pos = start
         tokens = tokens.to(torch.int64)

@@ -19,14 +19,18 @@ import torch
 
 from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.engine.model import DenseKV, TinyLlama
+from tiered_kv.errors import InvalidArgumentError
 
 
 class PagedKV:
     """KV access for one request through the device pool and its row of ``req_to_token``."""
 
-    def __init__(self, cache: TieredKVCache, req: Request) -> None:
+    def __init__(
+        self, cache: TieredKVCache, req: Request, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.cache = cache
         self.req = req
+        self.dtype = dtype  # the model's: a narrower cache dtype is read back in it
         self.start = 0
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -37,7 +41,8 @@ class PagedKV:
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
-        return pool.get_key_buffer(layer)[idx], pool.get_value_buffer(layer)[idx]
+        k, v = pool.get_key_buffer(layer)[idx], pool.get_value_buffer(layer)[idx]
+        return k.to(self.dtype), v.to(self.dtype)
 
 
 @dataclass
@@ -61,10 +66,21 @@ class Server:
         self.model = model
         self.cache = cache
         self.chunk = cache.config.page_size
-        if model.cfg.num_layers != cache.config.num_layers:
-            raise ValueError(
-                f"model has {model.cfg.num_layers} layers, the cache {cache.config.num_layers}"
+        mc, c = model.cfg, cache.config
+        # The model writes (n, num_kv_heads, head_dim) K and V per layer: the cache must hold
+        # exactly that, or the first request fails halfway (InvalidArgumentError is a ValueError).
+        if c.model != "mha":
+            raise InvalidArgumentError(
+                f"TinyLlama needs an MHA cache (TieredKVConfig.model='mha'), got {c.model!r}"
             )
+        for what, m, k in (
+            ("layers", mc.num_layers, c.num_layers),
+            ("KV heads", mc.num_kv_heads, c.head_num),
+            ("head_dim", mc.head_dim, c.head_dim),
+            ("V head_dim", mc.head_dim, c.v_head_dim or c.head_dim),
+        ):
+            if m != k:
+                raise InvalidArgumentError(f"model has {m} {what}, the cache {k}")
         self._count = 0
 
     def serve(
@@ -73,20 +89,27 @@ class Server:
         cache, model = self.cache, self.model
         t0 = time.perf_counter()
         req = cache.begin(prompt)
-        prefix = req.prefix_len
-        cache.extend(req, prompt[prefix:])
-        kv = PagedKV(cache, req)
-        logits = model.forward(torch.tensor(prompt[prefix:]), prefix, kv, self.chunk)
-        ttft = time.perf_counter() - t0
-        served = [logits[-1]]
-        out: list[int] = []
-        pos = len(prompt)
-        for _ in range(max_new_tokens):
-            token = int(served[-1].argmax())
-            out.append(token)
-            cache.decode(req, token)
-            served.append(model.forward(torch.tensor([token]), pos, kv, self.chunk)[-1])
-            pos += 1
+        try:
+            prefix = req.prefix_len
+            cache.extend(req, prompt[prefix:])
+            kv = PagedKV(cache, req, model.embed.dtype)
+            logits = model.forward(torch.tensor(prompt[prefix:]), prefix, kv, self.chunk)
+            ttft = time.perf_counter() - t0
+            served = [logits[-1]]
+            out: list[int] = []
+            pos = len(prompt)
+            for _ in range(max_new_tokens):
+                token = int(served[-1].argmax())
+                out.append(token)
+                cache.decode(req, token)
+                served.append(model.forward(torch.tensor([token]), pos, kv, self.chunk)[-1])
+                pos += 1
+        except BaseException:
+            # A failed forward or a full device: release the request's row, lock and slots
+            # without inserting its (partial) KV.
+            if not req.finished:
+                cache.abort(req)
+            raise
         cache.finish(req)
         cache.poll()
         total = time.perf_counter() - t0

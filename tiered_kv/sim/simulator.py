@@ -11,7 +11,8 @@ release.
 Hits are counted by the fastest tier that holds a block (device, then host, then storage).
 Whether the tiers are inclusive depends on the write policy: ``write_through`` copies every
 block to host as it is inserted, so in steady state the host holds what the device holds
-(inclusive); ``write_through_selective`` and ``write_back`` are not inclusive.
+(inclusive, given a host at least as large as the device; host room taken by storage prefetches
+can drop such copies); ``write_through_selective`` and ``write_back`` are not inclusive.
 """
 
 from __future__ import annotations

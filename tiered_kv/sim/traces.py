@@ -125,9 +125,7 @@ def multi_round_qa(
         for u in order:
             turn = [("q", u, r, i) for i in range(_blocks(answer, block_size))]
             contents = system[u % num_shared_prompts] + hist[u] + turn
-            out.append(
-                TraceRequest(chain.ids(contents), t, answer, len(contents) * block_size)
-            )
+            out.append(TraceRequest(chain.ids(contents), t, answer, len(contents) * block_size))
             hist[u] = hist[u] + turn + [("a", u, r, i) for i in range(_blocks(answer, block_size))]
             t += 1.0
     return out
