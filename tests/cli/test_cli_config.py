@@ -1,0 +1,198 @@
+"""``--config FILE.toml``: keys mirror the flags (``-`` or ``_``, top level or under the
+command's table), command-line flags win, and every problem with the file exits 2 naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_kv.cli import run_cmd
+from tiered_kv.cli.main import main, parse
+
+
+@pytest.fixture(autouse=True)
+def _no_default_store(monkeypatch, tmp_path):
+    """Never touch the default ~/.cache store, even if a check stops failing and `run` runs."""
+    monkeypatch.setattr(run_cmd, "default_cache_dir", lambda: tmp_path / "cache")
+
+
+def _toml(tmp_path: Path, text: str, name: str = "cfg.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _fail(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, (argv, info.value.code, err)
+    return err
+
+
+def test_dash_and_underscore_keys_at_top_level(tmp_path):
+    cfg = _toml(
+        tmp_path,
+        'device-tokens = 2048\nhost_tokens = 4096\ndevice-policy = "fifo"\nseed = -3\n',
+    )
+    args = parse(["run", "--config", cfg])
+    assert args.device_tokens == 2048
+    assert args.host_tokens == 4096
+    assert args.device_policy == "fifo"
+    assert args.seed == -3
+    # Untouched flags keep their defaults.
+    assert args.users == parse(["run"]).users
+
+
+def test_keys_under_the_command_table_win_over_top_level(tmp_path):
+    cfg = _toml(
+        tmp_path,
+        "users = 7\nrounds = 5\n"
+        '[run]\nusers = 9\nkv_heads = 1\nhost-layout = "layer_first"\n'
+        # Other commands' tables are not read by `run` (these keys would be unknown to it).
+        '[sim]\ncapacities = "0.3"\n[bench]\npage-sizes = "8"\n',
+    )
+    args = parse(["run", "--config", cfg])
+    assert (args.users, args.rounds, args.kv_heads) == (9, 5, 1)
+    assert args.host_layout == "layer_first"
+    sim = parse(["sim", "--config", cfg])
+    assert sim.capacities == [0.3]
+    assert (sim.users, sim.rounds) == (7, 5)
+    # Top-level keys apply to every command: `users` is unknown to bench.
+    with pytest.raises(SystemExit):
+        parse(["bench", "--config", cfg, "--tokens", "64"])
+    bench_only = _toml(tmp_path, '[run]\nusers = 2\n[bench]\npage-sizes = "8"\n', "b.toml")
+    assert parse(["bench", "--config", bench_only, "--tokens", "64"]).page_sizes == [8]
+
+
+def test_command_line_flags_override_the_file(tmp_path):
+    cfg = _toml(
+        tmp_path,
+        '[run]\nusers = 5\npage-size = 32\ndevice-tokens = 4096\nwrite-policy = "write_back"\n',
+    )
+    args = parse(["run", "--config", cfg, "--users", "3", "--write-policy", "write_through"])
+    assert args.users == 3
+    assert args.write_policy == "write_through"
+    assert (args.page_size, args.device_tokens) == (32, 4096)
+    # Validation sees the merged values: the flag's page size against the file's device tokens.
+    assert parse(["run", "--config", cfg, "--page-size", "64"]).device_tokens == 4096
+
+
+def test_booleans(tmp_path):
+    cfg = _toml(tmp_path, "no-verify = true\nfresh = true\nno_progress = true\n")
+    args = parse(["run", "--config", cfg])
+    assert args.no_verify is True and args.fresh is True and args.no_progress is True
+    off = _toml(tmp_path, "[run]\nfresh = false\nno-verify = false\n", "off.toml")
+    args = parse(["run", "--config", off])
+    assert args.fresh is False and args.no_verify is False
+    # A flag on the command line still switches it on.
+    assert parse(["run", "--config", off, "--fresh"]).fresh is True
+    bench = parse(["bench", "--config", _toml(tmp_path, "[bench]\nno-storage = true\n", "b.toml")])
+    assert bench.no_storage is True
+
+
+def test_lists_for_comma_separated_flags(tmp_path):
+    cfg = _toml(
+        tmp_path,
+        '[sim]\npolicies = ["lru", "fifo"]\ncapacities = [0.1, 0.5, 12]\n'
+        '[bench]\npage-sizes = [8, 16]\nlayouts = ["page_first"]\ntokens = 64\n',
+    )
+    sim = parse(["sim", "--config", cfg])
+    assert sim.policies == ["lru", "fifo"]
+    assert sim.capacities == [0.1, 0.5, 12.0]
+    bench = parse(["bench", "--config", cfg])
+    assert bench.page_sizes == [8, 16]
+    assert bench.layouts == ["page_first"]
+    single = _toml(tmp_path, "page-sizes = 16\n", "p.toml")
+    assert parse(["bench", "--config", single]).page_sizes == [16]
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "expected"),
+    [
+        ("run", "bogus = 1\n", ["unknown key 'bogus'", "valid keys", "device-tokens"]),
+        ("run", "[run]\ndevice_token = 1024\n", ["unknown key 'device_token'"]),
+        ("run", 'config = "other.toml"\n', ["unknown key 'config'"]),
+        ("run", "help = true\n", ["unknown key 'help'"]),
+        # A sim-only key at the top level is unknown to run.
+        ("run", 'capacities = "0.1"\n', ["unknown key 'capacities'"]),
+        ("run", "[runn]\nusers = 2\n", ["unknown table [runn]", "[run]"]),
+        ("run", 'users = "abc"\n', ["users='abc'", "not an integer"]),
+        ("run", "users = 1.5\n", ["users=", "1.5", "not an integer"]),
+        ("run", "users = 0\n", ["users=", "must be >= 1"]),
+        ("run", "users = true\n", ["users=True"]),
+        ("run", "[run]\nusers = {a = 1}\n", ["users="]),
+        ("run", "users = 2024-01-01\n", ["users="]),
+        ("run", 'fresh = "yes"\n', ["fresh='yes'", "true or false"]),
+        ("run", "no-verify = 1\n", ["no-verify=1", "true or false"]),
+        ("run", 'device-policy = "bogus"\n', ["device-policy='bogus'", "lru"]),
+        ("run", 'host_layout = "rows"\n', ["host_layout='rows'", "page_first"]),
+        ("run", "page-size = 12\n", ["--page-size 12", "power of two"]),
+        ("sim", 'capacities = "0,0.5"\n', ["capacities=", "'0'"]),
+        ("sim", "capacities = [1.5]\n", ["capacities=", "'1.5'"]),
+        ("sim", 'policies = ["lru", "mru"]\n', ["policies=", "mru"]),
+        ("sim", 'host-ratio = "x"\n', ["host-ratio='x'"]),
+        ("sim", 'plot = "hit.svg"\n', ["--plot hit.svg", ".png"]),
+        ("sim", 'generator = "chat"\n', ["generator='chat'", "multi-round"]),
+        ("bench", "page-sizes = [8, 12]\n", ["--page-sizes", "[12]"]),
+        ("bench", 'dtype = "int8"\n', ["dtype='int8'", "float16"]),
+    ],
+)
+def test_bad_files_exit_2_naming_the_problem(capsys, tmp_path, command, text, expected):
+    cfg = _toml(tmp_path, text)
+    err = _fail(capsys, [command, "--no-progress", "--config", cfg])
+    assert f"tiered-kv {command}: error:" in err
+    for part in expected:
+        assert part in err, err
+
+
+def test_missing_file_and_invalid_toml(capsys, tmp_path):
+    missing = tmp_path / "nope.toml"
+    err = _fail(capsys, ["sim", "--config", str(missing)])
+    assert f"--config {missing}" in err and "No such file" in err
+    bad = _toml(tmp_path, "users = \n[sim\n", "bad.toml")
+    err = _fail(capsys, ["sim", "--config", bad])
+    assert f"--config {bad}" in err and "not TOML" in err
+    err = _fail(capsys, ["bench", "--config", str(tmp_path)])  # a directory
+    assert f"--config {tmp_path}" in err
+
+
+def test_config_drives_a_real_sim_run_and_flags_still_win(capsys, tmp_path):
+    out = tmp_path / "out" / "sim.json"
+    cfg = _toml(
+        tmp_path,
+        f'no-progress = true\njson = "{out}"\n'
+        "[sim]\nusers = 3\nrounds = 2\nshared-prompt = 64\nhistory = 0\nanswer = 16\n"
+        'block-size = 16\ncapacities = [0.2, 0.5]\npolicies = ["lru", "fifo"]\n'
+        'write-policy = "write_back"\n',
+    )
+    assert main(["sim", "--config", cfg, "--capacities", "0.5", "--host-ratio", "2"]) == 0
+    res = json.loads(out.read_text())
+    assert res["write_policy"] == "write_back"
+    assert res["inclusive_tiers"] is False
+    assert res["host_ratio"] == 2.0
+    assert res["requests"] == 6
+    assert [(r["capacity"], r["policy"]) for r in res["rows"]] == [(0.5, "lru"), (0.5, "fifo")]
+    for r in res["rows"]:
+        assert r["host_blocks"] == 2 * r["device_blocks"]
+    assert "write policy write_back" in capsys.readouterr().out
+
+
+def test_config_drives_a_real_bench_run(tmp_path):
+    out = tmp_path / "bench.json"
+    cfg = _toml(
+        tmp_path,
+        "[bench]\nno-progress = true\nno-storage = true\ntokens = 32\nlayers = 1\n"
+        'kv-heads = 1\nhead-dim = 8\npage-sizes = [16]\nlayouts = "page_first_direct"\n'
+        'io-backends = ["direct"]\nrepeats = 1\ndtype = "float32"\n',
+    )
+    assert main(["bench", "--config", cfg, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert "host_storage" not in res
+    assert [(r["layout"], r["io_backend"], r["page_size"]) for r in res["device_host"]] == [
+        ("page_first_direct", "direct", 16)
+    ]
+    # 32 tokens x 1 layer x (K and V) x 1 head x 8 dims x 4 bytes
+    assert res["device_host"][0]["mib"] == pytest.approx(32 * 2 * 8 * 4 / 2**20)
