@@ -5,11 +5,16 @@ and writes KV only through a :class:`KVAccess` (the paged device pool in serving
 for the no-cache reference), so the same forward serves both.
 
 Determinism: every per-token computation runs in chunks of ``chunk`` rows aligned to absolute
-positions (``chunk`` divides the KV page size), and attention for a chunk ending at position e
-reads exactly keys ``0..e-1`` with a causal mask. A token's KV therefore comes out of the same
-shapes of the same ops whether it was computed in an earlier request (and restored from host or
-disk) or computed now, so on CPU the logits of a request served from restored KV equal, bit for
-bit, the logits with caching disabled.
+positions (``chunk`` = the KV page size), and a chunk is always computed whole: the positions of
+the chunk that this call does not compute (earlier tokens, whose KV is already stored, and later
+ones) are padding rows, and attention for the chunk ``b..b+chunk-1`` always reads keys
+``0..b+chunk-1`` (padding past the last real token, masked for every real row). Every op
+therefore sees the same shapes, and each real row the same operands, however the sequence was
+split into calls: a prefill in one piece or several, or a token produced by a decode step. A
+token's KV comes out bit for bit the same whether it was computed in an earlier request (and
+restored from host or disk) or now, so on CPU the logits of a request served from restored KV -
+including a multi-turn history that holds decoded tokens - equal, bit for bit, the logits with
+caching disabled. The price is a decode step that costs a whole chunk's rows.
 """
 
 from __future__ import annotations
@@ -153,8 +158,8 @@ class TinyLlama:
     # -- forward ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, start: int, kv: KVAccess, chunk: int) -> torch.Tensor:
         """Logits for ``tokens`` at positions ``start..``; their KV goes to ``kv``, earlier
-        positions' KV comes from it. ``start`` must be a multiple of ``chunk`` unless this is a
-        single decode step continuing a chunk (see the module docstring)."""
+        positions' KV comes from it. Any ``start`` works (a prefill after a page-aligned cached
+        prefix, a decode step mid-chunk): see the module docstring."""
         check_positive_int("chunk", chunk)
         check_positive_int("start", start, minimum=0)
         if len(tokens) == 0:
@@ -163,26 +168,40 @@ class TinyLlama:
         pos = start
         tokens = tokens.to(torch.int64)
         while pos < start + len(tokens):
-            end = min(start + len(tokens), (pos // chunk + 1) * chunk)
-            out.append(self._forward_chunk(tokens[pos - start : end - start], pos, kv))
+            base = pos // chunk * chunk
+            end = min(start + len(tokens), base + chunk)
+            out.append(self._forward_chunk(tokens[pos - start : end - start], pos, base, chunk, kv))
             pos = end
         return torch.cat(out)
 
-    def _forward_chunk(self, tokens: torch.Tensor, start: int, kv: KVAccess) -> torch.Tensor:
+    def _forward_chunk(
+        self, tokens: torch.Tensor, start: int, base: int, chunk: int, kv: KVAccess
+    ) -> torch.Tensor:
+        """Tokens at positions ``start..start+n-1`` of the chunk ``base..base+chunk-1``. The
+        chunk is always computed whole, the rows of other positions as padding: every op sees
+        the same shapes, and each real row the same operands, however the sequence was split
+        into calls (prefill pieces, decode steps) - so its K, V and logits are the same bits."""
         cfg = self.cfg
         n, hd = len(tokens), cfg.head_dim
-        positions = torch.arange(start, start + n)
+        rows = slice(start - base, start - base + n)
+        end = start + n
+        positions = torch.arange(base, base + chunk)
+        padded = torch.zeros(chunk, dtype=torch.int64)
+        padded[rows] = tokens
         if hasattr(kv, "start"):
             kv.start = start
-        x = self.embed[tokens]
+        x = self.embed[padded]
         for i, p in enumerate(self.layers):
             h = self._rms(x, p["attn_norm"])
-            q = self._rope((h @ p["wq"]).view(n, cfg.num_heads, hd), positions)
-            k = self._rope((h @ p["wk"]).view(n, cfg.num_kv_heads, hd), positions)
-            v = (h @ p["wv"]).view(n, cfg.num_kv_heads, hd)
-            kv.write(i, k, v)
-            keys, values = kv.read(i, start + n)
-            x = x + self._attend(q, keys, values, start) @ p["wo"]
+            q = self._rope((h @ p["wq"]).view(chunk, cfg.num_heads, hd), positions)
+            k = self._rope((h @ p["wk"]).view(chunk, cfg.num_kv_heads, hd), positions)
+            v = (h @ p["wv"]).view(chunk, cfg.num_kv_heads, hd)
+            kv.write(i, k[rows], v[rows])
+            keys, values = kv.read(i, end)
+            if end < base + chunk:  # keys past the last real token: masked for every real row
+                pad = keys.new_zeros(base + chunk - end, cfg.num_kv_heads, hd)
+                keys, values = torch.cat([keys, pad]), torch.cat([values, pad])
+            x = x + self._attend(q, keys, values, base) @ p["wo"]
             h = self._rms(x, p["mlp_norm"])
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
-        return self._rms(x, self.final_norm) @ self.lm_head
+        return (self._rms(x, self.final_norm) @ self.lm_head)[rows]
