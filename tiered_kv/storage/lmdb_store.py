@@ -27,52 +27,22 @@ import lmdb
 import numpy as np
 import xxhash
 
-from tiered_kv.errors import InvalidArgumentError, TieredKVError
-from tiered_kv.storage import value_format
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.storage import lmdb_env, value_format
 from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats
 from tiered_kv.storage.io_threads import check_io_threads, ordered_map
-from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
+from tiered_kv.storage.keys import StorageNamespace
+from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
 
 _U64 = struct.Struct("<Q")
 _TICK = b"tick"
 _USED = b"used"
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
-_NODE = 16  # LMDB's per-entry node header, rounded up
 _CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache when hashed
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
-
-# One environment per (directory, process): LMDB refuses to open a directory twice in a process.
-# Entries are [environment, number of open stores, the lock all those stores share].
-_ENVS: dict[tuple[str, int], list] = {}
-_ENVS_LOCK = threading.Lock()
-
-
-def record_cost(payload: int, psize: int = 4096) -> int:
-    """Disk bytes one stored page is charged: the payload on whole overflow pages (or twice its
-    leaf size when it is small enough to sit in a leaf: leaves may be half full), plus its header
-    and LRU entries, likewise doubled."""
-    if payload + KEY_BYTES + _NODE > psize // 2:
-        data = -(-(payload + _NODE) // psize) * psize
-    else:
-        data = 2 * (payload + KEY_BYTES + _NODE)
-    header = 2 * (value_format.HEADER_BYTES + KEY_BYTES + _NODE)
-    lru = 2 * (8 + KEY_BYTES + _NODE)
-    return data + header + lru
-
-
-class StorageOpenError(TieredKVError):
-    """The store directory cannot be created, opened or written. The message says which path."""
-
-
-def _inode(path: Path) -> int | None:
-    try:
-        return path.stat().st_ino
-    except OSError:
-        return None
-
 
 def _u64(raw: bytes | memoryview | None) -> int:
     return 0 if raw is None else _U64.unpack(bytes(raw))[0]
@@ -126,37 +96,11 @@ class LMDBStorage(PageStorage):
             raise StorageOpenError(f"store directory {self.path} is not writable")
         data = self.path / "data.mdb"
         start = max(_MIN_MAP, data.stat().st_size if data.exists() else 0)
-        opts = self._options
-        key = (os.path.realpath(self.path), os.getpid())
-        with _ENVS_LOCK:
-            entry = _ENVS.get(key)
-            if entry is not None and entry[3] != _inode(data):
-                entry = None  # the directory was removed or replaced: a new environment
-            if entry is None:
-                try:
-                    env = lmdb.open(
-                        str(self.path),
-                        map_size=min(self.budget_bytes, start),
-                        max_dbs=4,
-                        subdir=True,
-                        writemap=opts["writemap"],
-                        sync=opts["durable"],
-                        metasync=opts["durable"],
-                        map_async=not opts["durable"],
-                        readahead=opts["readahead"],
-                        max_readers=256,
-                    )
-                except lmdb.Error as exc:
-                    raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
-                # One lock per environment: a map resize must not race a transaction of another
-                # store object (another namespace) on the same environment.
-                entry = _ENVS[key] = [env, 0, threading.RLock(), _inode(data)]
-            entry[1] += 1
-        self._env = entry[0]
-        self._lock = entry[2]
-        self._entry = entry
+        opts = dict(self._options, map_size=min(self.budget_bytes, start))
+        self._shared = lmdb_env.acquire(self.path, data, opts)
+        self._env = self._shared.env
+        self._lock = self._shared.lock
         self._data_file = data
-        self._env_key = key
         self._pages = self._env.open_db(b"pages")
         self._headers = self._env.open_db(b"headers")
         self._lru = self._env.open_db(b"lru")
@@ -167,13 +111,7 @@ class LMDBStorage(PageStorage):
         # An LMDB environment must not be used across fork: the child closes the one it
         # inherited (LMDB then clears only its own reader slots) and opens its own.
         if os.getpid() != self._pid:
-            with _ENVS_LOCK:
-                inherited = _ENVS.pop(self._env_key, None)
-            if inherited is not None:
-                try:
-                    inherited[0].close()
-                except lmdb.Error:
-                    pass
+            lmdb_env.drop_inherited(self._shared)
             self._touched = {}
             self._open()
         return self._env
@@ -308,7 +246,7 @@ class LMDBStorage(PageStorage):
     def _intact(self) -> bool:
         """False (and counted) when the store's data file was removed or replaced under this
         open environment: its reads would come from a deleted file and its writes be lost."""
-        if _inode(self._data_file) == self._entry[3]:
+        if lmdb_env.inode(self._data_file) == self._shared.inode:
             return True
         self._stats.count_error("store directory removed or replaced")
         return False
@@ -533,11 +471,5 @@ class LMDBStorage(PageStorage):
                 try:
                     self.flush()
                 finally:
-                    with _ENVS_LOCK:
-                        entry = self._entry
-                        entry[1] -= 1
-                        if entry[1] <= 0:
-                            if _ENVS.get(self._env_key) is entry:
-                                del _ENVS[self._env_key]
-                            entry[0].close()
+                    lmdb_env.release(self._shared)
             self._env = None  # type: ignore[assignment]
