@@ -355,3 +355,21 @@ def test_bench_no_storage_drops_only_host_storage(capsys, tmp_path):
     _check_documented_keys("bench", res, skip=frozenset({"host_storage"}))
     assert len(res["device_host"]) == 1
     assert "host <-> storage" not in capsys.readouterr().out
+
+
+def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
+    from tiered_kv.cli.main import main
+
+    out = tmp_path / "sim.json"
+    argv = ["sim", "--users", "3", "--rounds", "2", "--shared-prompt", "64", "--history", "0",
+            "--answer", "16", "--capacities", "0.3", "--policies", "lru,s3fifo",
+            "--host-policy", "fifo", "--write-policy", "write_back", "--no-progress",
+            "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["host_policy"]) for r in rows] == [("lru", "fifo"), ("s3fifo", "fifo")]
+    assert "lru / host fifo" in capsys.readouterr().out
+    same = tmp_path / "same.json"
+    i = argv.index("--host-policy")
+    assert main([*argv[:i], *argv[i + 2 : -1], str(same)]) == 0
+    assert [r["host_policy"] for r in json.loads(same.read_text())["rows"]] == ["lru", "s3fifo"]

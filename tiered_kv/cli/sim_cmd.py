@@ -53,7 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="storage capacity: 0 none, a fraction of the unique blocks, or blocks",
     )
-    p.add_argument("--policies", type=name_list(POLICIES), default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        type=name_list(POLICIES),
+        default=",".join(POLICIES),
+        help="device eviction policies to compare (each is one line of the table)",
+    )
+    p.add_argument(
+        "--host-policy",
+        choices=("same", *POLICIES),
+        default="same",
+        help="host eviction policy; 'same': the device's",
+    )
     p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
     p.add_argument("--plot", metavar="PATH.png", help="hit rate against capacity")
     p.add_argument("--no-progress", action="store_true")
@@ -119,7 +130,16 @@ def _blocks(value: float, unique: int) -> int:
     return max(1, int(value) if value > 1 else int(round(value * unique)))
 
 
-def sweep(trace, capacities, policies, host_ratio, storage, write_policy, progress=True) -> dict:
+def sweep(
+    trace,
+    capacities,
+    policies,
+    host_ratio,
+    storage,
+    write_policy,
+    progress=True,
+    host_policy: str = "same",
+) -> dict:
     unique = unique_blocks(trace)
     accesses = access_sequence(trace)
     storage_blocks = _blocks(storage, unique) if storage else 0
@@ -137,7 +157,7 @@ def sweep(trace, capacities, policies, host_ratio, storage, write_policy, progre
             host,
             storage_blocks,
             device_policy=policy,
-            host_policy=policy,
+            host_policy=policy if host_policy == "same" else host_policy,
             write_policy=write_policy,
         )
         res = sim.run(trace)
@@ -154,6 +174,7 @@ def sweep(trace, capacities, policies, host_ratio, storage, write_policy, progre
                 "host_blocks": host,
                 "storage_blocks": storage_blocks,
                 "policy": policy,
+                "host_policy": policy if host_policy == "same" else host_policy,
                 "device_rate": res.rate("device"),
                 "host_rate": res.rate("host"),
                 "storage_rate": res.rate("storage"),
@@ -188,6 +209,7 @@ def main(args: argparse.Namespace) -> int:
         args.storage,
         args.write_policy,
         progress=not args.no_progress,
+        host_policy=args.host_policy,
     )
     result.update(
         {
@@ -218,7 +240,9 @@ def main(args: argparse.Namespace) -> int:
             [
                 [
                     f"{r['capacity']:g} ({r['device_blocks']} blk)",
-                    r["policy"],
+                    r["policy"]
+                    if r["host_policy"] == r["policy"]
+                    else f"{r['policy']} / host {r['host_policy']}",
                     f"{100 * r['device_rate']:.1f}%",
                     f"{100 * r['host_rate']:.1f}%",
                     f"{100 * r['storage_rate']:.1f}%",
