@@ -47,6 +47,8 @@ RUN_ERRORS = [
     (["--page-size", "8", "--host-tokens", "8"], ["--host-tokens 8", "two pages"]),
     (["--heads", "3", "--kv-heads", "2"], ["--heads 3", "multiple of --kv-heads 2"]),
     (["--head-dim", "15"], ["--head-dim 15", "even"]),
+    (["--head-dim", "18", "--attention", "mla"], ["--head-dim 18", "multiple of 4"]),
+    (["--attention", "mha"], ["--attention", "mha"]),
     (
         ["--system-tokens", "200", "--page-size", "16", "--device-tokens", "128"],
         ["--device-tokens", "128"],

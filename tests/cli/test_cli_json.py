@@ -373,3 +373,14 @@ def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
     i = argv.index("--host-policy")
     assert main([*argv[:i], *argv[i + 2 : -1], str(same)]) == 0
     assert [r["host_policy"] for r in json.loads(same.read_text())["rows"]] == ["lru", "s3fifo"]
+
+
+def test_run_with_latent_attention_verifies_bitwise(tmp_path):
+    code, res, printed = _run(["--store", str(tmp_path / "mla"), "--attention", "mla"])
+    assert code == 0
+    assert res["config"]["attention"] == "mla"
+    v = res["verification"]
+    assert v["passed"] is True and v["bitwise"] == v["requests"] == res["requests"]
+    assert sum(res["hits"].values()) == res["prompt_tokens"]
+    assert res["hits"]["device"] > 0
+    assert "PASS" in printed

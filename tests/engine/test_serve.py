@@ -153,7 +153,7 @@ def aligned(n: int, page: int) -> int:
 def scribble_device(cache: TieredKVCache) -> None:
     """Nothing is on the device: overwrite it, so KV found there later was copied back."""
     assert cache.tree.device_tokens() == 0
-    for buf in cache.device_pool.k_buffer + cache.device_pool.v_buffer:
+    for buf in cache.device_pool.buffers():
         buf.fill_(GARBAGE)
 
 
@@ -478,7 +478,7 @@ def test_first_request_and_no_host_tier(make_cache, gen):
         (dict(head_num=2), "KV heads"),
         (dict(head_dim=8), "head_dim"),
         (dict(v_head_dim=8), "V head_dim"),
-        (dict(model="mla"), "MHA"),
+        (dict(model="mla"), "cache kind .mha."),
     ],
 )
 def test_server_rejects_a_cache_of_another_geometry(tmp_path, changes, match):

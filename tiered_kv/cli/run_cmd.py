@@ -22,6 +22,7 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.config import PREFETCH_POLICIES, TieredKVConfig
+from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
 from tiered_kv.eviction import POLICIES
@@ -46,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--heads", type=positive_int, default=4)
     m.add_argument("--kv-heads", type=positive_int, default=2)
     m.add_argument("--head-dim", type=positive_int, default=32)
+    m.add_argument(
+        "--attention",
+        choices=("gqa", "mla"),
+        default="gqa",
+        help="mla: latent attention, kv_lora_rank = 2 x head-dim, rope dim = head-dim / 2 "
+        "(--kv-heads is ignored)",
+    )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=positive_int, default=16)
     c.add_argument("--device-tokens", type=positive_int, default=1024)
@@ -76,6 +84,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.head_dim % 2:
         parser.error(f"--head-dim {args.head_dim} must be even (RoPE)")
+    if args.attention == "mla" and args.head_dim % 4:
+        parser.error(
+            f"--head-dim {args.head_dim} must be a multiple of 4 with --attention mla "
+            "(its rope dim, head-dim / 2, must be even)"
+        )
     ps = args.page_size
     if ps & (ps - 1):
         parser.error(f"--page-size {ps} must be a power of two")
@@ -115,18 +128,34 @@ def main(args: argparse.Namespace) -> int:
     store = args.store
     if args.fresh:
         shutil.rmtree(store, ignore_errors=True)
-    mc = ModelConfig(
-        num_layers=args.layers,
-        hidden=args.hidden,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        seed=args.seed,
-    )
+    if args.attention == "mla":
+        mc = MLAModelConfig(
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+            head_dim=args.head_dim,
+            kv_lora_rank=2 * args.head_dim,
+            qk_nope_head_dim=args.head_dim,
+            qk_rope_head_dim=args.head_dim // 2,
+            v_head_dim=args.head_dim,
+            seed=args.seed,
+        )
+        geometry = dict(
+            model="mla", kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim
+        )
+    else:
+        mc = ModelConfig(
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            seed=args.seed,
+        )
+        geometry = dict(head_num=args.kv_heads, head_dim=args.head_dim)
     cfg = TieredKVConfig(
         num_layers=args.layers,
-        head_num=args.kv_heads,
-        head_dim=args.head_dim,
+        **geometry,
         page_size=args.page_size,
         device_tokens=args.device_tokens,
         host_tokens=args.host_tokens,
@@ -149,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.system_prompts)
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
-    model = TinyLlama(mc)
+    model = TinyMLA(mc) if args.attention == "mla" else TinyLlama(mc)
     cache = TieredKVCache(cfg)
     records = []
     t0 = time.perf_counter()

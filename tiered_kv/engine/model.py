@@ -70,6 +70,13 @@ class ModelConfig:
                 )
 
 
+def kv_shapes(cfg) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """Per-token (heads, dim) of the K and V a model stores; V None when K holds both (MLA)."""
+    if hasattr(cfg, "kv_lora_rank"):
+        return (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), None
+    return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+
+
 class KVAccess(Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V (``(n, kv_heads, head_dim)``) of the tokens being computed."""
@@ -82,17 +89,22 @@ class DenseKV:
     """KV in plain per-layer tensors: the reference with caching disabled."""
 
     def __init__(self, cfg: ModelConfig, max_tokens: int) -> None:
-        shape = (max_tokens, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.empty(shape) for _ in range(cfg.num_layers)]
-        self.v = [torch.empty(shape) for _ in range(cfg.num_layers)]
+        k_shape, v_shape = kv_shapes(cfg)
+        self.k = [torch.empty((max_tokens, *k_shape)) for _ in range(cfg.num_layers)]
+        self.v = (
+            [torch.empty((max_tokens, *v_shape)) for _ in range(cfg.num_layers)]
+            if v_shape is not None
+            else None
+        )
         self.start = 0  # position of the first row being written
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         self.k[layer][self.start : self.start + len(k)] = k
-        self.v[layer][self.start : self.start + len(v)] = v
+        if self.v is not None:
+            self.v[layer][self.start : self.start + len(v)] = v
 
-    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][:end], self.v[layer][:end]
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.k[layer][:end], (self.v[layer][:end] if self.v is not None else None)
 
 
 class TinyLlama:
@@ -103,17 +115,14 @@ class TinyLlama:
         def w(*shape: int, fan_in: int) -> torch.Tensor:
             return torch.randn(*shape, generator=g) / math.sqrt(fan_in)
 
-        h, hd = cfg.hidden, cfg.head_dim
+        h = cfg.hidden
         self.embed = torch.randn(cfg.vocab_size, h, generator=g)
         self.layers = []
         for _ in range(cfg.num_layers):
             self.layers.append(
                 {
                     "attn_norm": 1 + 0.1 * torch.randn(h, generator=g),
-                    "wq": w(h, cfg.num_heads * hd, fan_in=h),
-                    "wk": w(h, cfg.num_kv_heads * hd, fan_in=h),
-                    "wv": w(h, cfg.num_kv_heads * hd, fan_in=h),
-                    "wo": w(cfg.num_heads * hd, h, fan_in=cfg.num_heads * hd),
+                    **self._attention_weights(w, g),
                     "mlp_norm": 1 + 0.1 * torch.randn(h, generator=g),
                     "w1": w(h, cfg.intermediate, fan_in=h),
                     "w3": w(h, cfg.intermediate, fan_in=h),
@@ -122,8 +131,21 @@ class TinyLlama:
             )
         self.final_norm = 1 + 0.1 * torch.randn(h, generator=g)
         self.lm_head = w(h, cfg.vocab_size, fan_in=h)
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        rd = self._rope_dim()
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
         self._inv_freq = inv
+
+    def _rope_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def _attention_weights(self, w, g: torch.Generator) -> dict[str, torch.Tensor]:
+        cfg, h, hd = self.cfg, self.cfg.hidden, self.cfg.head_dim
+        return {
+            "wq": w(h, cfg.num_heads * hd, fan_in=h),
+            "wk": w(h, cfg.num_kv_heads * hd, fan_in=h),
+            "wv": w(h, cfg.num_kv_heads * hd, fan_in=h),
+            "wo": w(cfg.num_heads * hd, h, fan_in=cfg.num_heads * hd),
+        }
 
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -155,6 +177,26 @@ class TinyLlama:
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, v).reshape(n, cfg.num_heads * cfg.head_dim)
 
+    @staticmethod
+    def _pad_keys(t: torch.Tensor | None, end: int, full: int) -> torch.Tensor | None:
+        """Keys past the last real token (masked for every real row), so every call of a
+        chunk attends over the same number of keys."""
+        if t is None or end >= full:
+            return t
+        return torch.cat([t, t.new_zeros(full - end, *t.shape[1:])])
+
+    def _attention(self, i, p, h, positions, rows, end, base, chunk, kv) -> torch.Tensor:
+        """One layer's attention output (before the residual) for the whole chunk."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        q = self._rope((h @ p["wq"]).view(chunk, cfg.num_heads, hd), positions)
+        k = self._rope((h @ p["wk"]).view(chunk, cfg.num_kv_heads, hd), positions)
+        v = (h @ p["wv"]).view(chunk, cfg.num_kv_heads, hd)
+        kv.write(i, k[rows], v[rows])
+        keys, values = kv.read(i, end)
+        keys = self._pad_keys(keys, end, base + chunk)
+        values = self._pad_keys(values, end, base + chunk)
+        return self._attend(q, keys, values, base) @ p["wo"]
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, start: int, kv: KVAccess, chunk: int) -> torch.Tensor:
         """Logits for ``tokens`` at positions ``start..``; their KV goes to ``kv``, earlier
@@ -181,8 +223,7 @@ class TinyLlama:
         chunk is always computed whole, the rows of other positions as padding: every op sees
         the same shapes, and each real row the same operands, however the sequence was split
         into calls (prefill pieces, decode steps) - so its K, V and logits are the same bits."""
-        cfg = self.cfg
-        n, hd = len(tokens), cfg.head_dim
+        n = len(tokens)
         rows = slice(start - base, start - base + n)
         end = start + n
         positions = torch.arange(base, base + chunk)
@@ -193,15 +234,7 @@ class TinyLlama:
         x = self.embed[padded]
         for i, p in enumerate(self.layers):
             h = self._rms(x, p["attn_norm"])
-            q = self._rope((h @ p["wq"]).view(chunk, cfg.num_heads, hd), positions)
-            k = self._rope((h @ p["wk"]).view(chunk, cfg.num_kv_heads, hd), positions)
-            v = (h @ p["wv"]).view(chunk, cfg.num_kv_heads, hd)
-            kv.write(i, k[rows], v[rows])
-            keys, values = kv.read(i, end)
-            if end < base + chunk:  # keys past the last real token: masked for every real row
-                pad = keys.new_zeros(base + chunk - end, cfg.num_kv_heads, hd)
-                keys, values = torch.cat([keys, pad]), torch.cat([values, pad])
-            x = x + self._attend(q, keys, values, base) @ p["wo"]
+            x = x + self._attention(i, p, h, positions, rows, end, base, chunk, kv)
             h = self._rms(x, p["mlp_norm"])
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
         return (self._rms(x, self.final_norm) @ self.lm_head)[rows]

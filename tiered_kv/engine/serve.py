@@ -41,8 +41,10 @@ class PagedKV:
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
-        k, v = pool.get_key_buffer(layer)[idx], pool.get_value_buffer(layer)[idx]
-        return k.to(self.dtype), v.to(self.dtype)
+        k = pool.get_key_buffer(layer)[idx].to(self.dtype)
+        if self.cache.config.model == "mla":
+            return k, None  # the latent holds both
+        return k, pool.get_value_buffer(layer)[idx].to(self.dtype)
 
 
 @dataclass
@@ -67,20 +69,28 @@ class Server:
         self.cache = cache
         self.chunk = cache.config.page_size
         mc, c = model.cfg, cache.config
-        # The model writes (n, num_kv_heads, head_dim) K and V per layer: the cache must hold
-        # exactly that, or the first request fails halfway (InvalidArgumentError is a ValueError).
-        if c.model != "mha":
-            raise InvalidArgumentError(
-                f"TinyLlama needs an MHA cache (TieredKVConfig.model='mha'), got {c.model!r}"
-            )
-        for what, m, k in (
-            ("layers", mc.num_layers, c.num_layers),
-            ("KV heads", mc.num_kv_heads, c.head_num),
-            ("head_dim", mc.head_dim, c.head_dim),
-            ("V head_dim", mc.head_dim, c.v_head_dim or c.head_dim),
-        ):
+        # The model writes per-token K/V of fixed shapes: the cache must hold exactly that, or
+        # the first request fails halfway (InvalidArgumentError is a ValueError).
+        if hasattr(mc, "kv_lora_rank"):  # an MLA model (TinyMLA, or a wrapper of one)
+            checks = [
+                ("cache kind", "mla", c.model),
+                ("layers", mc.num_layers, c.num_layers),
+                ("kv_lora_rank", mc.kv_lora_rank, c.kv_lora_rank),
+                ("qk_rope_head_dim", mc.qk_rope_head_dim, c.qk_rope_head_dim),
+            ]
+        else:
+            checks = [
+                ("cache kind", "mha", c.model),
+                ("layers", mc.num_layers, c.num_layers),
+                ("KV heads", mc.num_kv_heads, c.head_num),
+                ("head_dim", mc.head_dim, c.head_dim),
+                ("V head_dim", mc.head_dim, c.v_head_dim or c.head_dim),
+            ]
+        for what, m, k in checks:
             if m != k:
-                raise InvalidArgumentError(f"model has {m} {what}, the cache {k}")
+                raise InvalidArgumentError(
+                    f"{type(model).__name__} needs {what} {m!r}, the cache has {k!r}"
+                )
         self._count = 0
 
     def serve(
