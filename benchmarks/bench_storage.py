@@ -17,7 +17,11 @@ stores in the same run, in this order within each repeat:
   ``posix_fadvise(DONTNEED)`` stands in, and the output says so.
 
 Operations: ``set`` (every page once, into an empty store; without ``--fsync`` this is a write
-into the page cache for ``lmdb`` and ``files``, so it can beat the O_DIRECT write), ``warm_get``
+into the page cache for ``lmdb`` and ``files``, so it can beat the O_DIRECT write),
+``full_set`` (the same pages into a store already full of as many other pages, with a budget
+that holds about that many: every page written evicts an old one, the steady state of a cache;
+``files`` then unlinks its oldest file before each new one, ``lmdb`` evicts by its own LRU and
+reuses the freed pages; the gets after it are verified too), ``warm_get``
 (right after the set and an untimed ``sync``: the bytes are in the page cache) and ``cold_get``
 (after closing the store, ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``, then reopening
 it; an LMDB environment is closed first because the kernel does not drop page-cache pages that
@@ -33,8 +37,9 @@ outside the timing: each call returned True for every key and the host pages equ
 bytes, byte for byte. A mismatch aborts the run.
 
 Targets (issue), per size: LMDB set, warm get and cold get >= 1.0x ``files``; LMDB cold get >=
-0.6x the O_DIRECT read. ``--study`` adds a table of LMDB options at ``--study-size`` MiB
-(writemap, readahead, durable, I/O threads, batch size) with ``files`` rows for reference.
+0.6x the O_DIRECT read. ``full_set`` is reported next to them, not counted. ``--study`` adds a
+table of LMDB options at ``--study-size`` MiB (writemap, readahead, durable, huge pages, I/O
+threads, batch size) with ``files`` rows for reference.
 
 Run::
 
@@ -66,18 +71,20 @@ import psutil
 import torch
 
 from tiered_kv.storage import LMDBStorage, StorageNamespace, page_keys
+from tiered_kv.storage.lmdb_env import record_cost
 
 MIB = 1 << 20
 GIB = 1 << 30
 ALIGN = 4096
 STORES = ("lmdb", "files", "odirect")
-OPS = ("set", "warm_get", "cold_get")
+OPS = ("set", "full_set", "warm_get", "cold_get")
+TARGET_OPS = ("set", "warm_get", "cold_get")
 QUICK = {"total_mib": 64, "repeats": 1}
 TARGET_FILES = 1.0
 TARGET_ODIRECT = 0.6
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 NO_COLD = "cold get not measured: cannot drop page cache"
-LMDB_DEFAULTS = {"durable": False, "readahead": True, "writemap": True}
+LMDB_DEFAULTS = {"durable": False, "readahead": True, "writemap": True, "hugepages": False}
 
 
 # -- the page source -------------------------------------------------------------------------
@@ -159,6 +166,23 @@ class FileStore:
             except FileNotFoundError:
                 out.append(False)
         return out
+
+
+class EvictingFileStore(FileStore):
+    """The file store with a capacity in pages: before each new file it unlinks the oldest one
+    (first in, first out: the benchmark never reads while it writes)."""
+
+    def __init__(self, path: str, fsync: bool, capacity: int) -> None:
+        super().__init__(path, fsync)
+        self.capacity = capacity
+        self.order: list[bytes] = []
+
+    def batch_set(self, keys: Sequence[bytes], source: BenchPages, pages: Sequence[int]):
+        for key in keys:
+            if len(self.order) >= self.capacity:
+                os.unlink(self._file(self.order.pop(0)))
+            self.order.append(key)
+        return super().batch_set(keys, source, pages)
 
 
 class AlignedBuffer:
@@ -458,6 +482,45 @@ def kv_store_times(
     return out
 
 
+def full_set_times(
+    case: Case, kind: str, workdir: str, batch: int, opts: dict, fsync: bool
+) -> dict[str, tuple[float, float | None]]:
+    """``full_set``: fill a store to its capacity with other pages (other keys; at least
+    ``case.n``), then time writing the case's pages, each of which evicts an old one; then check
+    the case's pages read back. Both stores hold the same number of pages."""
+    path = tempfile.mkdtemp(prefix=f"full-{kind}-", dir=workdir)
+    cost = record_cost(case.page_nbytes)
+    # LMDBStorage evicts down to 3/4 of its budget; it also has a minimum budget
+    budget = max(-(-case.n * cost * 4 // 3) + 4 * MIB, 4 * cost + 8 * MIB)
+    capacity = budget * 3 // 4 // cost
+    old_keys = page_keys(case.namespace, np.arange(capacity, dtype=np.uint32), 1)
+    where = f"size={case.size_mib:g} MiB store={kind} {opts or ''} batch={batch} full_set"
+    if kind == "lmdb":
+        store = LMDBStorage(path, case.namespace, case.page_nbytes, budget_bytes=budget, **opts)
+    else:
+        store = EvictingFileStore(path, fsync, capacity)
+    try:
+        ok: list[bool] = []
+        for i in range(0, capacity, batch):
+            idx = range(i, min(i + batch, capacity))
+            keys = [bytes(old_keys[j]) for j in idx]
+            ok += store.batch_set(keys, case.src, [j % case.n for j in idx])
+        if not all(ok):
+            fail(where, f"{ok.count(False)} of {capacity} fill sets returned False")
+        os.sync()
+        ok = []
+        seconds = timed(lambda: ok.extend(run_batches(store.batch_set, case, case.src, batch)))
+        if not all(ok):
+            fail(where, f"{ok.count(False)} of {case.n} sets returned False")
+        case.dst.zero()
+        check_get(case, run_batches(store.batch_get, case, case.dst, batch), where)
+    finally:
+        if kind == "lmdb":
+            store.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return {"full_set": (seconds, None)}
+
+
 def odirect_times(
     case: Case, workdir: str, notes: list[str]
 ) -> dict[str, tuple[float, float | None]]:
@@ -589,7 +652,7 @@ def targets(rows: list[Row], cold: bool) -> list[dict]:
     out = []
     by = {(r.size_mib, r.store, r.op): r for r in rows}
     for size in sorted({r.size_mib for r in rows}):
-        for op in OPS:
+        for op in TARGET_OPS:
             lm = by.get((size, "lmdb", op))
             if lm is None:
                 continue
@@ -633,6 +696,20 @@ def target_lines(ts: list[dict]) -> list[str]:
     return lines
 
 
+def full_set_lines(rows: list[Row]) -> list[str]:
+    """The full-store set ratios, printed next to the targets (not one of them)."""
+    lines = []
+    for r in rows:
+        if r.store == "lmdb" and r.op == "full_set" and r.ratio_files is not None:
+            lines.append(
+                f"  size {r.size_mib:>6g} MiB  lmdb set into a full store vs files  "
+                f"ratio {r.ratio_files:5.2f}"
+            )
+    if lines:
+        lines.insert(0, "also (not an issue target): set into a store at its budget, evicting")
+    return lines
+
+
 # -- drivers ---------------------------------------------------------------------------------
 def bench_main(args, workdir: str, cold: bool, notes: list[str]) -> list[Row]:
     rows: list[Row] = []
@@ -649,6 +726,7 @@ def bench_main(args, workdir: str, cold: bool, notes: list[str]) -> list[Row]:
                 else:
                     o = opts if store == "lmdb" else {}
                     got = kv_store_times(case, store, workdir, args.batch, o, args.fsync, cold)
+                    got |= full_set_times(case, store, workdir, args.batch, o, args.fsync)
                 for op, v in got.items():
                     samples[store].setdefault(op, []).append(v)
             print(f"  done size={size:g} MiB repeat {rep + 1}", file=sys.stderr, flush=True)
@@ -666,6 +744,7 @@ STUDY = [
     ("writemap off", {"writemap": False}, None),
     ("readahead off", {"readahead": False}, None),
     ("durable on", {"durable": True}, None),
+    ("hugepage advice on", {"hugepages": True}, None),
     ("1 I/O thread", {"io_threads": 1}, None),
     ("4 I/O threads", {"io_threads": 4}, None),
     ("defaults", {}, 1),
@@ -737,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     for note in notes:
         print(note)
     print()
-    print("\n".join(target_lines(ts)))
+    print("\n".join(target_lines(ts) + full_set_lines(rows)))
     if study:
         print()
         print(

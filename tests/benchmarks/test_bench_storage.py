@@ -24,7 +24,7 @@ def test_bench_storage_small_run_without_cold_get(tmp_path, capsys):
     rows = report.rows
     keys = {(r.size_mib, r.store, r.op) for r in rows}
     expected = {(s, st, op) for s in (0.0625, 0.125) for st in ("lmdb", "files")
-                for op in ("set", "warm_get")}  # fmt: skip
+                for op in ("set", "full_set", "warm_get")}  # fmt: skip
     expected |= {(s, "odirect", op) for s in (0.0625, 0.125) for op in ("set", "cold_get")}
     assert keys == expected and len(rows) == len(keys)
     assert all(r.verified and r.gbps > 0 and r.repeats == 2 and len(r.samples_s) == 2 for r in rows)
@@ -32,7 +32,7 @@ def test_bench_storage_small_run_without_cold_get(tmp_path, capsys):
     for r in rows:
         if r.store == "files":
             assert r.ratio_files == pytest.approx(1.0)
-        assert (r.ratio_odirect is None) == (r.op == "warm_get")
+        assert (r.ratio_odirect is None) == (r.op in ("warm_get", "full_set"))
     assert not report.cold_get_measured
     assert any("cold get not measured: cannot drop page cache" in n for n in report.notes)
     graded = [t for t in report.targets if t["result"] in ("PASS", "MISS")]
@@ -45,6 +45,7 @@ def test_bench_storage_small_run_without_cold_get(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "cold get not measured: cannot drop page cache" in printed
     assert "targets: LMDB set" in printed and "page cache drop" in printed
+    assert printed.count("lmdb set into a full store vs files") == 2
     assert list(tmp_path.iterdir()) == [out]  # the work dir is removed
 
 
@@ -60,12 +61,13 @@ def test_bench_storage_cold_get_and_study_with_a_fake_cache_drop(tmp_path, monke
     assert len(lmdb_cold) == 1 and lmdb_cold[0]["need"] == 0.6
     configs = {r.config for r in report.study}
     assert (
-        len(configs) == 10
+        len(configs) == 11
+        and "hugepage advice on, batch 4" in configs
         and "durable on, batch 4" in configs
         and "defaults, batch 32" in configs
         and "1 I/O thread, batch 4" in configs
     )
-    assert len(report.study) == 10 * 3 and all(r.verified for r in report.study)
+    assert len(report.study) == 11 * 3 and all(r.verified for r in report.study)
     assert "LMDB option study at 0.0625 MiB" in capsys.readouterr().out
 
 

@@ -8,7 +8,12 @@ import time
 import pytest
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.storage.io_threads import check_io_threads, default_io_threads, ordered_map
+from tiered_kv.storage.io_threads import (
+    check_io_threads,
+    default_io_threads,
+    ordered_map,
+    split_map,
+)
 
 
 def test_results_come_back_in_input_order():
@@ -58,3 +63,54 @@ def test_bad_thread_counts_are_refused(bad):
 def test_default_is_between_one_and_two():
     assert check_io_threads(None) == default_io_threads()
     assert 1 <= default_io_threads() <= 2
+
+
+# -- split_map: contiguous runs, the first on the caller's thread --------------------------------
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 13])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_split_map_returns_every_result_in_order(n, threads):
+    def slow_inverse(i):
+        time.sleep(0.001 * (n - i))
+        return i * i + 1
+
+    assert split_map(slow_inverse, list(range(n)), threads) == [i * i + 1 for i in range(n)]
+
+
+def test_split_map_runs_in_contiguous_runs_with_the_first_on_the_caller():
+    caller = threading.get_ident()
+    barrier = threading.Barrier(2, timeout=5)
+
+    def who(i):
+        if i in (0, 4):  # the first item of each run: both runs must be going at once
+            barrier.wait()
+        return threading.get_ident()
+
+    idents = split_map(who, list(range(8)), 2)
+    assert idents[:4] == [caller] * 4
+    assert len(set(idents[4:])) == 1 and idents[4] != caller
+
+
+def test_split_map_with_one_thread_stays_on_the_caller():
+    caller = threading.get_ident()
+    assert split_map(lambda i: threading.get_ident(), list(range(5)), 1) == [caller] * 5
+
+
+@pytest.mark.parametrize("failing", [1, 6])
+def test_split_map_raises_only_after_every_run_has_finished(failing):
+    finished = []
+
+    def work(i):
+        if i == failing:
+            raise OSError(f"item {i} failed")
+        time.sleep(0.01)
+        finished.append(i)
+        return i
+
+    with pytest.raises(OSError, match=f"item {failing} failed"):
+        split_map(work, list(range(8)), 2)
+    # the caller's run stops at a failure in it; the other run always completes first
+    other_run = range(4, 8) if failing < 4 else range(0, 4)
+    assert set(other_run) - {failing} <= set(finished)
+    snapshot = list(finished)
+    time.sleep(0.05)
+    assert finished == snapshot  # nothing was still running in the background

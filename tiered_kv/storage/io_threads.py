@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from tiered_kv.errors import InvalidArgumentError
@@ -55,3 +55,27 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
     if threads <= 1 or len(items) <= 1:
         return map(fn, items)
     return _pool(threads).map(fn, items)
+
+
+def split_map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
+    """``[fn(x) for x in items]`` with ``items`` cut into ``threads`` contiguous runs: the first
+    run on the calling thread, the others on pool threads at the same time. One hand-off per
+    run instead of one per item, which matters when an item takes a few hundred microseconds."""
+    runs = max(1, min(threads, len(items)))
+    if runs == 1:
+        return [fn(x) for x in items]
+    bounds = [len(items) * r // runs for r in range(runs + 1)]
+    pool = _pool(runs - 1)
+    futures = [
+        pool.submit(lambda lo, hi: [fn(x) for x in items[lo:hi]], bounds[r], bounds[r + 1])
+        for r in range(1, runs)
+    ]
+    try:
+        out = [fn(x) for x in items[: bounds[1]]]
+    finally:
+        # Never return (or raise) while a run is still going: the items may point into memory
+        # that is only valid until the caller returns (an LMDB read transaction's map pages).
+        wait(futures)
+    for future in futures:
+        out.extend(future.result())
+    return out

@@ -6,6 +6,11 @@ directory share one environment and one lock, counted, and the last to close it 
 environment is never used across ``fork``: the child drops the inherited one and opens its own.
 An entry remembers its data file's inode, so a store on a directory that was removed and
 recreated gets a new environment instead of the one still mapping the deleted file.
+
+Every map size an environment takes has its disk blocks reserved first (``map_file.reserve``),
+so writes through the map never fault on a full disk; where blocks cannot be reserved at open
+(no ``fallocate``, or no room), the environment is opened without ``writemap`` and LMDB's own
+writes report a full disk as an error instead. Each new mapping gets huge-page advice.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 import lmdb
 
 from tiered_kv.errors import TieredKVError
-from tiered_kv.storage import value_format
+from tiered_kv.storage import map_file, value_format
 from tiered_kv.storage.keys import KEY_BYTES
 
 _NODE = 16  # LMDB's per-entry node header, rounded up
@@ -53,8 +58,32 @@ class SharedEnv:
     env: lmdb.Environment
     key: tuple[str, int]
     inode: int | None
+    data_file: Path
+    hugepages: bool
+    writemap: bool  # what the environment runs with (off when blocks could not be reserved)
     users: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def _remapped(self) -> None:
+        if self.hugepages:
+            map_file.advise_hugepages(self.data_file)
+
+    def resize(self, size: int) -> int:
+        """Grow the map to ``size`` bytes, reserving its disk blocks first. Returns 0, or the
+        errno that left the map as it was (no room on the disk)."""
+        if self.writemap:
+            err = map_file.reserve(self.data_file, size)
+            if err and err not in map_file.UNSUPPORTED:
+                return err
+        self.env.set_mapsize(size)
+        self._remapped()
+        return 0
+
+    def adopt(self) -> None:
+        """Take the map size another process set (after ``MapResizedError``); that process
+        reserved the blocks."""
+        self.env.set_mapsize(0)
+        self._remapped()
 
 
 _ENVS: dict[tuple[str, int], SharedEnv] = {}
@@ -69,25 +98,38 @@ def acquire(path: Path, data_file: Path, options: dict) -> SharedEnv:
         if shared is not None and shared.inode != inode(data_file):
             shared = None  # the directory was removed or replaced: a new environment
         if shared is None:
-            durable = options["durable"]
-            try:
-                env = lmdb.open(
-                    str(path),
-                    map_size=options["map_size"],
-                    max_dbs=4,
-                    subdir=True,
-                    writemap=options["writemap"],
-                    sync=durable,
-                    metasync=durable,
-                    map_async=not durable,
-                    readahead=options["readahead"],
-                    max_readers=256,
-                )
-            except lmdb.Error as exc:
-                raise StorageOpenError(f"cannot open LMDB store at {path}: {exc}") from exc
-            shared = _ENVS[key] = SharedEnv(env, key, inode(data_file))
+            writemap = options["writemap"]
+            env = _open(path, options, writemap)
+            if writemap and map_file.reserve(data_file, env.info()["map_size"]):
+                env.close()  # no blocks for the map: let LMDB write (and fail) with pwrite
+                writemap = False
+                env = _open(path, options, writemap)
+            shared = SharedEnv(
+                env, key, inode(data_file), data_file, options["hugepages"], writemap
+            )
+            shared._remapped()
+            _ENVS[key] = shared
         shared.users += 1
         return shared
+
+
+def _open(path: Path, options: dict, writemap: bool) -> lmdb.Environment:
+    durable = options["durable"]
+    try:
+        return lmdb.open(
+            str(path),
+            map_size=options["map_size"],
+            max_dbs=4,
+            subdir=True,
+            writemap=writemap,
+            sync=durable,
+            metasync=durable,
+            map_async=not durable,
+            readahead=options["readahead"],
+            max_readers=256,
+        )
+    except lmdb.Error as exc:
+        raise StorageOpenError(f"cannot open LMDB store at {path}: {exc}") from exc
 
 
 def release(shared: SharedEnv) -> None:

@@ -30,7 +30,7 @@ import xxhash
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import lmdb_env, value_format
 from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats
-from tiered_kv.storage.io_threads import check_io_threads, ordered_map
+from tiered_kv.storage.io_threads import check_io_threads, ordered_map, split_map
 from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
 
@@ -44,6 +44,7 @@ _CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache wh
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
 
+
 def _u64(raw: bytes | memoryview | None) -> int:
     return 0 if raw is None else _U64.unpack(bytes(raw))[0]
 
@@ -52,6 +53,9 @@ class LMDBStorage(PageStorage):
     """``path``: the store directory; ``budget_bytes``: the most disk it may use (the LMDB map
     never grows past it). ``durable=True`` fsyncs every commit (off by default: a process crash
     loses nothing either way, an OS crash may lose recent writes, which checksums then reject).
+    ``writemap``: write values straight into the shared map (its disk blocks are reserved first;
+    where they cannot be, the store runs without it). ``hugepages``: advise huge pages on the map
+    (faster cold reads, but a write may stall on memory compaction; off by default).
     ``io_threads``: threads that hash and copy page bytes (default: 2 where 2 cores exist)."""
 
     def __init__(
@@ -64,6 +68,7 @@ class LMDBStorage(PageStorage):
         durable: bool = False,
         readahead: bool = True,
         writemap: bool = True,
+        hugepages: bool = False,
         io_threads: int | None = None,
     ) -> None:
         super().__init__(namespace, page_nbytes)
@@ -76,7 +81,9 @@ class LMDBStorage(PageStorage):
             )
         self.path = Path(path)
         self.budget_bytes = budget_bytes
-        self._options = dict(durable=durable, readahead=readahead, writemap=writemap)
+        self._options = dict(
+            durable=durable, readahead=readahead, writemap=writemap, hugepages=hugepages
+        )
         self._io_threads = check_io_threads(io_threads)
         self._lock = threading.RLock()
         self._stats = StorageStats(budget_bytes=budget_bytes)
@@ -124,15 +131,19 @@ class LMDBStorage(PageStorage):
                 with env.begin(buffers=True) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                self._shared.adopt()
         raise StorageOpenError(f"LMDB store at {self.path} keeps resizing under this reader")
 
     def _grow(self) -> bool:
-        """Double the map, up to the budget. False when it is already there."""
+        """Double the map, up to the budget. False when it is already there, or when the disk
+        has no room for the larger map (counted)."""
         size = self._env.info()["map_size"]
         if size >= self.budget_bytes:
             return False
-        self._env.set_mapsize(min(self.budget_bytes, size * 2))
+        err = self._shared.resize(min(self.budget_bytes, size * 2))
+        if err:
+            self._stats.count_error(f"grow map: {errno.errorcode.get(err, err)}")
+            return False
         self._stats.map_resizes += 1
         return True
 
@@ -156,7 +167,7 @@ class LMDBStorage(PageStorage):
                 self._stats.evictions += self._pending_evictions
                 return result
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                self._shared.adopt()
             except lmdb.MapFullError:
                 if not self._grow():
                     raise
@@ -293,7 +304,7 @@ class LMDBStorage(PageStorage):
             # Copy and verify pages on the I/O threads while this transaction keeps the map's
             # pages alive; a source that is not a writable view takes its pages one at a time.
             threads = self._io_threads if zero_copy else 1
-            delivered = ordered_map(
+            delivered = split_map(
                 lambda job: self._deliver(job[1], job[2], source, job[3], zero_copy),
                 jobs,
                 threads,
