@@ -116,6 +116,11 @@ class BenchPages:
     def get_page_bytes(self, page: int) -> torch.Tensor:
         return self.tensor[page]
 
+    def page_bytes_rows(self) -> np.ndarray:
+        """All pages as one numpy view (what a page_first host pool offers; the file store
+        indexes the same array)."""
+        return self.array
+
     def set_page_bytes(self, page: int, data: object) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
         if src.size != self._nbytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -484,3 +485,26 @@ def test_pages_moved_as_bytes_to_a_fresh_pool_load_the_original_kv(layout, kind,
         host_b.load_to_device_per_layer(pool, slots_b, dst, layer)
     assert_device_equal(pool, expected_device_after_load(dev0, dev0, src, dst))
     assert ints(host_b.buffer).numel() > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_bytes_rows_are_the_pages_as_one_view(layout, kind, gen):
+    _, _, host = _pool_with_host(layout, gen, kind=kind, dtype=torch.float16)
+    rows = host.page_bytes_rows()
+    if not host.page_bytes_zero_copy:
+        assert rows is None  # layer_first: pages are not contiguous
+        return
+    assert rows.shape == (host.num_pages, host.page_nbytes) and rows.dtype == np.uint8
+    for page in range(host.num_pages):
+        assert np.array_equal(rows[page], host.get_page_bytes(page).numpy())
+    # a view, not a copy: writing a row writes that page and nothing else
+    new = torch.randint(0, 256, (host.page_nbytes,), dtype=torch.uint8, generator=gen)
+    before = [host.get_page_bytes(p).clone() for p in range(host.num_pages)]
+    rows[2][:] = new.numpy()
+    assert torch.equal(host.get_page_bytes(2), new)
+    for page in (0, 1, 3, 4):
+        assert torch.equal(host.get_page_bytes(page), before[page])
+    host.destroy()
+    with pytest.raises(StateError):
+        host.page_bytes_rows()

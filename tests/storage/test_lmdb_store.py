@@ -440,3 +440,134 @@ def test_removed_directory_is_counted_misses_and_a_new_store_starts_clean(tmp_pa
             fresh.close()
     finally:
         store.close()
+
+
+# -- how pages reach the host: views, row tables, copies -------------------------------------
+class ViewSource(ByteSource):
+    """Zero-copy pages, one tensor view at a time (no row table)."""
+
+    page_bytes_zero_copy = True
+
+
+class RowSource(ViewSource):
+    """Zero-copy pages with the whole buffer as one numpy row table."""
+
+    def page_bytes_rows(self):
+        return self.buf.numpy()
+
+
+class BadRowSource(ViewSource):
+    def page_bytes_rows(self):
+        return self.buf.numpy()[:, :-1]
+
+
+@pytest.mark.parametrize("source_type", [ByteSource, ViewSource, RowSource])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_kind_of_page_source_round_trips_exactly(tmp_path, source_type, threads):
+    nbytes = 3 * 4096 + 40
+    ns = byte_namespace(nbytes)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET, io_threads=threads)
+    try:
+        keys = [raw_key(ns, f"k{i}") for i in range(11)]
+        src = source_type(nbytes, 13)
+        src.buf.random_(0, 256)
+        pages = [12, 0, 5, 3, 7, 1, 9, 2, 11, 4, 6]
+        assert store.batch_set(keys, src, pages) == [True] * 11
+        out = source_type(nbytes, 13)
+        out.buf.random_(0, 256)
+        untouched = out.buf[[8, 10]].clone()
+        dst = [9, 7, 6, 5, 4, 3, 2, 1, 0, 12, 11]  # 8 and 10 are left alone
+        assert store.batch_get(keys, out, dst) == [True] * 11
+        for key, p, d in zip(keys, pages, dst, strict=True):
+            assert torch.equal(out.buf[d], src.buf[p]), f"{key.hex()[:8]} page {d}"
+        assert torch.equal(out.buf[[8, 10]], untouched)
+    finally:
+        store.close()
+
+
+def test_a_row_table_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path):
+    nbytes = 4096 + 8
+    ns = byte_namespace(nbytes)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
+    try:
+        keys = [raw_key(ns, f"k{i}") for i in range(3)]
+        good = RowSource(nbytes, 3)
+        good.buf.random_(0, 256)
+        assert store.batch_set(keys, good, [0, 1, 2]) == [True] * 3
+        bad = BadRowSource(nbytes, 3)
+        bad.buf.random_(0, 256)
+        before = bad.buf.clone()
+        for call in (store.batch_get, store.batch_set):
+            with pytest.raises(InvalidArgumentError, match=r"page_bytes_rows\(\) has shape"):
+                call(keys, bad, [0, 1, 2])
+        assert torch.equal(bad.buf, before)
+        s = store.stats()
+        assert (s.pages, s.gets, s.sets) == (3, 0, 3)
+    finally:
+        store.close()
+
+
+# -- recency of reads ------------------------------------------------------------------------
+def _tick(store: LMDBStorage, key: bytes) -> int:
+    from tiered_kv.storage import value_format
+
+    return store._read(lambda txn: value_format.unpack(txn.get(key, db=store._headers)).tick)
+
+
+def test_a_read_protects_an_old_page_from_eviction(tmp_path):
+    nbytes = 8192 + 100
+    ns = byte_namespace(nbytes)
+    budget = min_lmdb_budget(tmp_path, ns, nbytes) + 40 * (nbytes + 4096)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=budget, io_threads=1)
+    src = ByteSource(nbytes, 8)
+    try:
+        written = 0
+
+        def write(n):
+            nonlocal written
+            for _ in range(n):
+                key = raw_key(ns, f"p{written}")
+                fill_for_keys(src, [key], [0])
+                assert store.batch_set([key], src, [0]) == [True]
+                written += 1
+
+        write(16)
+        first, second = raw_key(ns, "p0"), raw_key(ns, "p1")
+        out = ByteSource(nbytes, 1)
+        assert store.batch_get([first], out, [0]) == [True]  # p0 is now the newest
+        while store.batch_exists([second]) == 1:
+            write(1)
+            assert written < 100_000
+        assert store.stats().evictions > 0
+        assert store.batch_exists([first]) == 1, "the page read last was evicted before p1"
+        assert store.batch_get([first], out, [0]) == [True]
+        assert np.array_equal(out.buf[0].numpy(), expected_bytes(first, nbytes))
+    finally:
+        store.close()
+
+
+def test_reads_of_pages_already_among_the_newest_quarter_keep_their_place(tmp_path):
+    nbytes = 4096 + 16
+    ns = byte_namespace(nbytes)
+    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET, io_threads=1)
+    src = ByteSource(nbytes, 40)
+    try:
+        keys = [raw_key(ns, f"k{i}") for i in range(40)]
+        fill_for_keys(src, keys, range(40))
+        assert store.batch_set(keys, src, list(range(40))) == [True] * 40
+        ticks = [_tick(store, k) for k in keys]
+        assert ticks == sorted(ticks) and len(set(ticks)) == 40
+        out = ByteSource(nbytes, 4)
+        # the 10 newest are the newest quarter: reading k39 and k31 leaves them where they are,
+        # reading k0 and k29 (just older than the quarter) makes them the newest
+        read = [keys[39], keys[0], keys[31], keys[29]]
+        assert store.batch_get(read, out, [0, 1, 2, 3]) == [True] * 4
+        store.flush()
+        after = {k: _tick(store, k) for k in keys}
+        assert after[keys[39]] == ticks[39] and after[keys[31]] == ticks[31]
+        assert min(after[keys[0]], after[keys[29]]) > max(ticks)
+        assert after[keys[0]] != after[keys[29]]
+        for k in keys[1:29] + keys[30:31] + keys[32:39]:
+            assert after[k] == ticks[keys.index(k)]
+    finally:
+        store.close()

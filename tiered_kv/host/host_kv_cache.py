@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from tiered_kv._checks import check_positive_int
@@ -325,6 +326,15 @@ class HostKVCache:
     def page_bytes_zero_copy(self) -> bool:
         """Whether ``get_page_bytes`` returns a view (page_first layouts) rather than a copy."""
         return self.layout.token_major
+
+    def page_bytes_rows(self) -> np.ndarray | None:
+        """Every page's bytes at once, as a ``(num_pages, page_nbytes)`` uint8 numpy view of the
+        buffer (row ``p`` is ``get_page_bytes(p)``), for page_first layouts; None in layer_first.
+        Valid until the pool is destroyed: take it per batch, do not keep it."""
+        if not self.page_bytes_zero_copy:
+            return None
+        flat = self.buffer.reshape(-1).view(torch.uint8)
+        return flat.numpy().reshape(self.num_pages, self.page_nbytes)
 
     def _check_page(self, page: int) -> int:
         if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:

@@ -34,7 +34,23 @@ class PageSource(Protocol):
     def set_page_bytes(self, page: int, data: object) -> None: ...
 
     # Optional: ``page_bytes_zero_copy = True`` says get_page_bytes returns a writable view that
-    # a store may fill directly (as a page_first host pool's does).
+    # a store may fill directly (as a page_first host pool's does); ``page_bytes_rows()`` may
+    # then return all pages as one ``(num_pages, page_nbytes)`` uint8 numpy view (or None), which
+    # saves a tensor view per page.
+
+
+def page_rows(source: PageSource) -> np.ndarray | None:
+    """``source.page_bytes_rows()`` where the source is zero-copy and offers it, else None."""
+    if not getattr(source, "page_bytes_zero_copy", False):
+        return None
+    rows_of = getattr(source, "page_bytes_rows", None)
+    rows = rows_of() if rows_of is not None else None
+    if rows is not None and rows.shape != (source.num_pages, source.page_nbytes):
+        raise InvalidArgumentError(
+            f"page_bytes_rows() has shape {rows.shape}; expected "
+            f"({source.num_pages}, {source.page_nbytes})"
+        )
+    return rows
 
 
 @dataclass

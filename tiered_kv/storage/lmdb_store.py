@@ -8,7 +8,8 @@ One LMDB environment (a directory) holds four named databases:
 - ``meta``:    the recency clock and the bytes in use, updated in the same transactions.
 A page and its header are written in one transaction, so a reader sees both or neither; every
 read verifies the header and checksum, and a page that fails is deleted, counted and missed.
-Reads refresh recency in memory; the refresh reaches LMDB with the next write (or ``flush``).
+Reads refresh recency in memory; the refresh reaches LMDB with the next write (or ``flush``),
+and skips pages already among the newest quarter.
 The map grows as needed up to ``budget_bytes``; a full map or disk evicts old pages or skips the
 write and counts it, never raising into the caller. LMDB's own locks make several processes on
 one directory safe; an instance used after ``fork`` reopens the environment in the child.
@@ -29,7 +30,7 @@ import xxhash
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import lmdb_env, value_format
-from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats
+from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats, page_rows
 from tiered_kv.storage.io_threads import check_io_threads, ordered_map, split_map
 from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
@@ -193,12 +194,23 @@ class LMDBStorage(PageStorage):
         txn.put(_USED, _U64.pack(used), db=self._meta)
         return used
 
-    def _touch(self, txn: lmdb.Transaction, key: bytes) -> bool:
+    def _touch(
+        self,
+        txn: lmdb.Transaction,
+        key: bytes,
+        newer_than: int | None = None,
+        tick: int | None = None,
+    ) -> bool:
+        """Make ``key`` the most recent page (with ``tick`` when the caller hands out ticks),
+        unless its tick is already above ``newer_than``; False when the key is absent."""
         raw = txn.get(key, db=self._headers)
         header = value_format.unpack(raw) if raw is not None else None
         if header is None:
             return False
-        tick = self._next_tick(txn)
+        if newer_than is not None and header.tick > newer_than:
+            return True
+        if tick is None:
+            tick = self._next_tick(txn)
         txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
         txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
         txn.put(key, value_format.with_tick(bytes(raw), tick), db=self._headers)
@@ -250,9 +262,18 @@ class LMDBStorage(PageStorage):
             self._stats.count_error("evict: map full")
 
     def _flush_touched(self, txn: lmdb.Transaction) -> None:
+        """Write the recency of pages read since the last flush. A page already among the newest
+        quarter of the store keeps its place (eviction takes from the old end, so moving it
+        changes nothing until it has aged: the bump-once rule of production caches)."""
         touched, self._touched = self._touched, {}
+        if not touched:
+            return
+        clock = _u64(txn.get(_TICK, db=self._meta))
+        newest_quarter = clock - txn.stat(self._headers)["entries"] // 4
         for key in touched:
-            self._touch(txn, key)
+            if self._touch(txn, key, newest_quarter, clock + 1):
+                clock += 1  # handed out (or not needed: a skipped tick is harmless)
+        txn.put(_TICK, _U64.pack(clock), db=self._meta)
 
     def _intact(self) -> bool:
         """False (and counted) when the store's data file was removed or replaced under this
@@ -291,6 +312,7 @@ class LMDBStorage(PageStorage):
         out: list[bool] = []
         bad: list[bytes] = []
         zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))
+        rows = page_rows(source)
 
         def serve(txn: lmdb.Transaction) -> None:
             jobs = []
@@ -300,12 +322,15 @@ class LMDBStorage(PageStorage):
                 if raw is None or payload is None:
                     continue
                 header = value_format.unpack(raw) if len(payload) == self.page_nbytes else None
-                jobs.append((i, header, payload, page))
+                dst = None
+                if zero_copy:
+                    dst = rows[page] if rows is not None else source.get_page_bytes(page).numpy()
+                jobs.append((i, header, payload, page, dst))
             # Copy and verify pages on the I/O threads while this transaction keeps the map's
             # pages alive; a source that is not a writable view takes its pages one at a time.
             threads = self._io_threads if zero_copy else 1
             delivered = split_map(
-                lambda job: self._deliver(job[1], job[2], source, job[3], zero_copy),
+                lambda job: self._deliver(job[1], job[2], source, job[3], job[4]),
                 jobs,
                 threads,
             )
@@ -334,20 +359,21 @@ class LMDBStorage(PageStorage):
                 self._write(self._flush_touched, "recency")
         return out
 
-    def _deliver(self, header, payload, source: PageSource, page: int, zero_copy: bool) -> bool:
+    def _deliver(
+        self, header, payload, source: PageSource, page: int, dst: np.ndarray | None
+    ) -> bool:
         """Copy a stored page into host page ``page`` (one copy, straight from LMDB's map) and
-        verify it. Where the host page is a writable view, the copy goes in cache-sized chunks and
-        each chunk is hashed right after it lands, from cache, instead of in a second pass over
-        memory. On failure the host page may hold partial bytes (the caller reports a miss)."""
+        verify it. Where the host page is a writable view (``dst``), the copy goes in cache-sized
+        chunks and each chunk is hashed right after it lands, from cache, instead of in a second
+        pass over memory. On failure the host page may hold partial bytes (reported a miss)."""
         fp = self.namespace.fingerprint
         if header is None or header.fingerprint != fp or header.length != len(payload):
             return False
-        if not zero_copy:
+        if dst is None:
             if not value_format.verify(header, fp, payload):
                 return False
             source.set_page_bytes(page, payload)
             return True
-        dst = source.get_page_bytes(page).numpy()
         src = np.frombuffer(payload, dtype=np.uint8)
         hasher = xxhash.xxh3_64()
         for start in range(0, src.size, _CHUNK):
@@ -366,6 +392,13 @@ class LMDBStorage(PageStorage):
             self._stats.set_skipped += len(keys)
             return [False] * len(keys)
         fp = self.namespace.fingerprint
+        rows = page_rows(source)
+
+        def page_view(page: int) -> memoryview:
+            if rows is not None:
+                return memoryview(rows[page])
+            return memoryview(source.get_page_bytes(page).numpy())
+
         sums: dict[int, int] = {}
         pending: Iterator[tuple[int, int]] = iter(())
 
@@ -387,7 +420,7 @@ class LMDBStorage(PageStorage):
                 if not self._evict_for(txn, self._record_bytes()):
                     done.append(False)
                     continue
-                view = memoryview(source.get_page_bytes(page).numpy())
+                view = page_view(page)
                 tick = self._next_tick(txn)
                 txn.put(key, view, db=self._pages)
                 header = value_format.pack(fp, view, tick, checksum_of(i, view))
@@ -402,7 +435,7 @@ class LMDBStorage(PageStorage):
             ]
 
         def hash_page(i: int) -> tuple[int, int]:
-            return i, value_format.checksum(memoryview(source.get_page_bytes(pages[i]).numpy()))
+            return i, value_format.checksum(page_view(pages[i]))
 
         with self._lock:
             self._stats.sets += len(keys)
