@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_storage.py
+	$(PY) benchmarks/bench_map_write.py
 	$(PY) benchmarks/bench_tiered.py
 
 lint: $(STAMP)

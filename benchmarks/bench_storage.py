@@ -749,7 +749,7 @@ STUDY = [
     ("writemap off", {"writemap": False}, None),
     ("readahead off", {"readahead": False}, None),
     ("durable on", {"durable": True}, None),
-    ("hugepage advice on", {"hugepages": True}, None),
+    ("huge pages on", {"hugepages": True}, None),
     ("1 I/O thread", {"io_threads": 1}, None),
     ("4 I/O threads", {"io_threads": 4}, None),
     ("defaults", {}, 1),

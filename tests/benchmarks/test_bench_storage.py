@@ -62,7 +62,7 @@ def test_bench_storage_cold_get_and_study_with_a_fake_cache_drop(tmp_path, monke
     configs = {r.config for r in report.study}
     assert (
         len(configs) == 11
-        and "hugepage advice on, batch 4" in configs
+        and "huge pages on, batch 4" in configs
         and "durable on, batch 4" in configs
         and "defaults, batch 32" in configs
         and "1 I/O thread, batch 4" in configs
