@@ -5,7 +5,8 @@ One LMDB environment (a directory) holds four named databases:
 - ``headers``: key -> magic, version, namespace fingerprint, length, xxh3-64 checksum, tick;
 - ``lru``:     big-endian tick + key -> empty, ordered oldest first (approximate LRU that
   survives restart);
-- ``meta``:    the recency clock and the bytes in use, updated in the same transactions.
+- ``meta``:    the recency clock and the bytes in use, updated in the same transactions
+  (that bookkeeping is ``storage.lmdb_books``).
 A page and its header are written in one transaction, so a reader sees both or neither; every
 read verifies the header and checksum, and a page that fails is deleted, counted and missed.
 Reads refresh recency in memory; the refresh reaches LMDB with the next write (or ``flush``),
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,21 +33,15 @@ from tiered_kv.storage import lmdb_env, value_format
 from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats, page_rows
 from tiered_kv.storage.io_threads import check_io_threads, ordered_map, split_map
 from tiered_kv.storage.keys import StorageNamespace
+from tiered_kv.storage.lmdb_books import Books
 from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
 
-_U64 = struct.Struct("<Q")
-_TICK = b"tick"
-_USED = b"used"
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
 _CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache when hashed
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
-
-
-def _u64(raw: bytes | memoryview | None) -> int:
-    return 0 if raw is None else _U64.unpack(bytes(raw))[0]
 
 
 class LMDBStorage(PageStorage):
@@ -113,6 +107,7 @@ class LMDBStorage(PageStorage):
         self._headers = self._env.open_db(b"headers")
         self._lru = self._env.open_db(b"lru")
         self._meta = self._env.open_db(b"meta")
+        self._books = Books(self._pages, self._headers, self._lru, self._meta, self.page_nbytes)
         self._pid = os.getpid()
 
     def _env_for_this_process(self) -> lmdb.Environment:
@@ -152,7 +147,7 @@ class LMDBStorage(PageStorage):
         """Grow the map before a write that would fill it: a MapFull aborts the whole batch
         transaction, and its retry copies and checksums every page again."""
         env = self._env_for_this_process()
-        used = self._read(lambda txn: _u64(txn.get(_USED, db=self._meta)))
+        used = self._read(self._books.used)
         while (used + incoming) * 2 > env.info()["map_size"] and self._grow():
             pass
 
@@ -183,97 +178,31 @@ class LMDBStorage(PageStorage):
                 return None
         return None
 
-    # -- bookkeeping inside a write transaction -----------------------------------------------
-    def _next_tick(self, txn: lmdb.Transaction) -> int:
-        tick = _u64(txn.get(_TICK, db=self._meta)) + 1
-        txn.put(_TICK, _U64.pack(tick), db=self._meta)
-        return tick
-
-    def _add_used(self, txn: lmdb.Transaction, delta: int) -> int:
-        used = max(0, _u64(txn.get(_USED, db=self._meta)) + delta)
-        txn.put(_USED, _U64.pack(used), db=self._meta)
-        return used
-
-    def _touch(
-        self,
-        txn: lmdb.Transaction,
-        key: bytes,
-        newer_than: int | None = None,
-        tick: int | None = None,
-    ) -> bool:
-        """Make ``key`` the most recent page (with ``tick`` when the caller hands out ticks),
-        unless its tick is already above ``newer_than``; False when the key is absent."""
-        raw = txn.get(key, db=self._headers)
-        header = value_format.unpack(raw) if raw is not None else None
-        if header is None:
-            return False
-        if newer_than is not None and header.tick > newer_than:
-            return True
-        if tick is None:
-            tick = self._next_tick(txn)
-        txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
-        txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
-        txn.put(key, value_format.with_tick(bytes(raw), tick), db=self._headers)
-        return True
-
-    def _remove(self, txn: lmdb.Transaction, key: bytes) -> bool:
-        raw = txn.get(key, db=self._headers)
-        if raw is None and txn.get(key, db=self._pages) is None:
-            return False
-        header = value_format.unpack(raw) if raw is not None else None
-        if header is not None:
-            txn.delete(header.tick.to_bytes(8, "big") + key, db=self._lru)
-            self._add_used(txn, -record_cost(header.length))
-        txn.delete(key, db=self._headers)
-        txn.delete(key, db=self._pages)
-        return True
-
+    # -- bookkeeping inside a write transaction (storage.lmdb_books) -------------------------
     def _evict_for(self, txn: lmdb.Transaction, need: int) -> bool:
         """Evict oldest pages (any namespace) until ``need`` more bytes fit the budget."""
-        limit = int(self.budget_bytes * _FILL)
-        used = _u64(txn.get(_USED, db=self._meta))
-        cursor = txn.cursor(db=self._lru)
-        while used + need > limit:
-            if not cursor.first():
-                return False
-            key = bytes(cursor.key())[8:]
-            cursor.delete()
-            raw = txn.get(key, db=self._headers)
-            header = value_format.unpack(raw) if raw is not None else None
-            txn.delete(key, db=self._headers)
-            txn.delete(key, db=self._pages)
-            freed = record_cost(header.length if header else self.page_nbytes)
-            used = self._add_used(txn, -freed)
-            self._pending_evictions += 1
-        return True
+        fits, evicted = self._books.evict_oldest(txn, need, int(self.budget_bytes * _FILL))
+        self._pending_evictions += evicted
+        return fits
 
     def _evict_fraction(self, denominator: int) -> None:
         """Free ``1/denominator`` of the store in its own transaction, then commit an empty one:
         LMDB reuses freed pages only once no snapshot (the last two commits) still holds them."""
 
         def evict(txn: lmdb.Transaction) -> None:
-            used = _u64(txn.get(_USED, db=self._meta))
+            used = self._books.used(txn)
             self._evict_for(txn, int(self.budget_bytes * _FILL) - used + used // denominator)
 
         try:
             self._write(evict, "evict")
-            self._write(lambda txn: self._next_tick(txn), "evict")
+            self._write(self._books.next_tick, "evict")
         except lmdb.MapFullError:
             self._stats.count_error("evict: map full")
 
     def _flush_touched(self, txn: lmdb.Transaction) -> None:
-        """Write the recency of pages read since the last flush. A page already among the newest
-        quarter of the store keeps its place (eviction takes from the old end, so moving it
-        changes nothing until it has aged: the bump-once rule of production caches)."""
         touched, self._touched = self._touched, {}
-        if not touched:
-            return
-        clock = _u64(txn.get(_TICK, db=self._meta))
-        newest_quarter = clock - txn.stat(self._headers)["entries"] // 4
-        for key in touched:
-            if self._touch(txn, key, newest_quarter, clock + 1):
-                clock += 1  # handed out (or not needed: a skipped tick is harmless)
-        txn.put(_TICK, _U64.pack(clock), db=self._meta)
+        if touched:
+            self._books.refresh(txn, touched)
 
     def _intact(self) -> bool:
         """False (and counted) when the store's data file was removed or replaced under this
@@ -354,7 +283,7 @@ class LMDBStorage(PageStorage):
         with self._lock:
             self._read(serve)
             if bad:
-                self._write(lambda txn: [self._remove(txn, k) for k in bad], "delete corrupt")
+                self._write(lambda txn: [self._books.remove(txn, k) for k in bad], "delete corrupt")
             if len(self._touched) >= _FLUSH_EVERY:
                 self._write(self._flush_touched, "recency")
         return out
@@ -413,7 +342,7 @@ class LMDBStorage(PageStorage):
             self._flush_touched(txn)
             done = []
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                if self._touch(txn, key):
+                if self._books.touch(txn, key):
                     self._stats.existing_refreshed += 1
                     done.append(True)
                     continue
@@ -421,12 +350,14 @@ class LMDBStorage(PageStorage):
                     done.append(False)
                     continue
                 view = page_view(page)
-                tick = self._next_tick(txn)
-                txn.put(key, view, db=self._pages)
-                header = value_format.pack(fp, view, tick, checksum_of(i, view))
-                txn.put(key, header, db=self._headers)
-                txn.put(tick.to_bytes(8, "big") + key, b"", db=self._lru)
-                self._add_used(txn, self._record_bytes())
+                self._books.insert(
+                    txn,
+                    key,
+                    view,
+                    lambda tick, i=i, view=view: value_format.pack(
+                        fp, view, tick, checksum_of(i, view)
+                    ),
+                )
                 done.append(True)
             # A batch larger than the budget evicts its own first pages: report what stayed.
             headers = self._headers
@@ -463,7 +394,9 @@ class LMDBStorage(PageStorage):
     def delete(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
         with self._lock:
-            removed = self._write(lambda txn: sum(self._remove(txn, k) for k in keys), "delete")
+            removed = self._write(
+                lambda txn: sum(self._books.remove(txn, k) for k in keys), "delete"
+            )
             return removed or 0
 
     def clear(self) -> None:
@@ -478,7 +411,7 @@ class LMDBStorage(PageStorage):
                         break
                     keys.append(bytes(key))
             for key in keys:
-                self._remove(txn, key)
+                self._books.remove(txn, key)
 
         with self._lock:
             self._touched = {}
@@ -494,7 +427,7 @@ class LMDBStorage(PageStorage):
     def stats(self) -> StorageStats:
         def read(txn: lmdb.Transaction) -> None:
             self._stats.pages = txn.stat(self._headers)["entries"]
-            self._stats.bytes = _u64(txn.get(_USED, db=self._meta))
+            self._stats.bytes = self._books.used(txn)
 
         with self._lock:
             self._read(read)
