@@ -1,165 +1,288 @@
-"""TieredKVConfig: everything a :class:`TieredKVCache` is built from, frozen and validated.
+"""TieredKVConfig: everything a :class:`TieredKVCache` is built from, nested, frozen, validated.
 
-Every check names the field and what would be valid; nothing is built from a config that fails.
+Five sections, each a frozen dataclass validated on construction: ``geometry`` (the model's KV
+shape), ``device`` (pool and request capacities), ``host`` (the host pool's size, layout and own
+options), ``storage`` (the store's budget, path and own options) and ``policies``. Field names
+are unique across sections, so :meth:`TieredKVConfig.flat` (and :meth:`replace`) take them as
+plain keywords. Every check names the field (``TieredKVConfig.<field>=<value>``) and what would
+be valid; nothing is built from a config that fails. This module imports nothing from the rest
+of the package but its vocabulary and errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.eviction import POLICIES
-from tiered_kv.tiered_radix_cache import WRITE_POLICIES
+from tiered_kv.names import (
+    EvictionPolicyName,
+    HostLayout,
+    IOBackend,
+    ModelKind,
+    PrefetchPolicy,
+    WritePolicy,
+)
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-MODEL_KINDS = ("mha", "mla")
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
+
+
+def _need(ok: bool, obj: object, name: str, valid: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(
+            f"TieredKVConfig.{name}={getattr(obj, name)!r} is invalid: {valid}"
+        )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _need(_is_int(v) and v >= minimum, obj, n, f"an int >= {minimum}")
+
+
+def _choice(obj: object, name: str, options: tuple[str, ...]) -> None:
+    v = getattr(obj, name)
+    _need(isinstance(v, str) and v in options, obj, name, f"use one of {', '.join(options)}")
+
+
+def _seconds(obj: object, name: str) -> None:
+    v = getattr(obj, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) and v >= 0
+    _need(ok, obj, name, "a number of seconds >= 0")
 
 
 @dataclass(frozen=True)
-class TieredKVConfig:
-    # model geometry
+class ModelGeometry:
     num_layers: int = 4
-    model: str = "mha"  # "mha" or "mla"
+    model: str = "mha"  # ModelKind
     head_num: int = 2  # MHA: KV heads
     head_dim: int = 64  # MHA: K head dim (V the same unless v_head_dim)
     v_head_dim: int | None = None
     kv_lora_rank: int = 64  # MLA
     qk_rope_head_dim: int = 16  # MLA
     dtype: str = "float32"
-    # paging and capacities (tokens)
+
+    def __post_init__(self) -> None:
+        _ints(self, ("num_layers", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim"))
+        v = self.v_head_dim
+        _need(v is None or (_is_int(v) and v >= 1), self, "v_head_dim", "None or an int >= 1")
+        _choice(self, "model", ModelKind.values())
+        _choice(self, "dtype", tuple(DTYPES))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
     page_size: int = 16
     device_tokens: int = 4096
-    host_tokens: int = 16384  # 0: no host tier (and then no storage tier)
-    storage_bytes: int = 0  # 0: no storage tier
-    storage_path: str | None = None
-    namespace_salt: str | None = None
     max_requests: int = 64
     max_context_len: int = 8192
-    # data path
-    host_layout: str = "page_first"
-    io_backend: str = "kernel"
-    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _ints(self, ("page_size", "device_tokens", "max_requests", "max_context_len"))
+        ps = self.page_size
+        _need(ps & (ps - 1) == 0, self, "page_size", "a power of two (1, 2, 4, ..., 16, 64, ...)")
+        _need(
+            self.device_tokens % ps == 0 and self.device_tokens >= 2 * ps,
+            self,
+            "device_tokens",
+            f"a multiple of page_size={ps}, at least two pages",
+        )
+        _choice(self, "device", DEVICES)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    host_tokens: int = 16384  # 0: no host tier (and then no storage tier)
+    host_layout: str = "page_first"  # HostLayout
+    io_backend: str = "kernel"  # IOBackend
+    pin: bool | None = None  # None: pinned where CUDA exists
+    reserve_bytes: int | None = None  # host memory left to others (None: the pool's default)
+    kernel_backend: str | None = None  # None: platform's choice
+
+    def __post_init__(self) -> None:
+        _ints(self, ("host_tokens",), minimum=0)
+        _choice(self, "host_layout", HostLayout.values())
+        _choice(self, "io_backend", IOBackend.values())
+        _need(self.pin is None or isinstance(self.pin, bool), self, "pin", "None, True or False")
+        r = self.reserve_bytes
+        _need(r is None or (_is_int(r) and r >= 0), self, "reserve_bytes", "None or an int >= 0")
+        kb = self.kernel_backend
+        _need(
+            kb is None or kb in ("auto", "triton", "torch", "native"),
+            self,
+            "kernel_backend",
+            "None, 'auto', 'triton', 'torch' or 'native'",
+        )
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    storage_bytes: int = 0  # 0: no storage tier
+    storage_path: str | os.PathLike | None = None
+    namespace_salt: str | None = None  # a tenant's salt: its keys never match another's
     storage_batch_pages: int = 32
-    # policies
-    device_policy: str = "lru"
+    io_threads: int | None = None  # None: the store's default
+    durable: bool = False
+    hugepages: bool = False
+
+    def __post_init__(self) -> None:
+        _ints(self, ("storage_bytes",), minimum=0)
+        _ints(self, ("storage_batch_pages",))
+        if self.storage_bytes:
+            _need(
+                self.storage_path is not None,
+                self,
+                "storage_path",
+                "a directory when storage_bytes > 0",
+            )
+        _need(
+            self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
+            self,
+            "storage_path",
+            "None or a directory path (str or os.PathLike)",
+        )
+        s = self.namespace_salt
+        _need(s is None or isinstance(s, str), self, "namespace_salt", "None or a str")
+        t = self.io_threads
+        _need(t is None or (_is_int(t) and t >= 1), self, "io_threads", "None or an int >= 1")
+        for n in ("durable", "hugepages"):
+            _need(isinstance(getattr(self, n), bool), self, n, "True or False")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    device_policy: str = "lru"  # EvictionPolicyName
     host_policy: str = "lru"
-    write_policy: str = "write_through"
+    write_policy: str = "write_through"  # WritePolicy
     selective_hits: int = 2
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "best_effort"  # PrefetchPolicy
     prefetch_threshold: int = 256  # tokens: smaller storage hits are recomputed
     prefetch_timeout_base_s: float = 0.5
     prefetch_timeout_per_1k_s: float = 0.25
     prefetch_timeout_max_s: float = 5.0
 
     def __post_init__(self) -> None:
-        def need(ok: bool, field: str, valid: str) -> None:
-            if not ok:
-                raise InvalidArgumentError(
-                    f"TieredKVConfig.{field}={getattr(self, field)!r} is invalid: {valid}"
-                )
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def choice(field: str, options) -> None:
-            need(getattr(self, field) in options, field, f"use one of {', '.join(options)}")
-
-        for f in (
-            "num_layers",
-            "head_num",
-            "head_dim",
-            "kv_lora_rank",
-            "qk_rope_head_dim",
-            "page_size",
-            "device_tokens",
-            "max_requests",
-            "max_context_len",
-            "storage_batch_pages",
-            "selective_hits",
-        ):
-            need(is_int(getattr(self, f)) and getattr(self, f) >= 1, f, "an int >= 1")
-        need(
-            self.v_head_dim is None or (is_int(self.v_head_dim) and self.v_head_dim >= 1),
-            "v_head_dim",
-            "None or an int >= 1",
-        )
-        ps = self.page_size
-        need(ps & (ps - 1) == 0, "page_size", "a power of two (1, 2, 4, ..., 16, 32, 64, ...)")
-        need(
-            self.device_tokens % ps == 0 and self.device_tokens >= 2 * ps,
-            "device_tokens",
-            f"a multiple of page_size={ps}, at least two pages",
-        )
-        need(is_int(self.host_tokens) and self.host_tokens >= 0, "host_tokens", "an int >= 0")
-        if self.host_tokens:
-            need(
-                self.host_tokens >= ps,
-                "host_tokens",
-                f"0 (no host tier) or at least one page ({ps} tokens)",
-            )
-            need(self.host_tokens % ps == 0, "host_tokens", f"a multiple of page_size={ps}")
-        need(is_int(self.storage_bytes) and self.storage_bytes >= 0, "storage_bytes", "an int >= 0")
-        if self.storage_bytes:
-            need(
-                self.host_tokens > 0,
-                "storage_bytes",
-                "0 when host_tokens is 0 (storage pages move through the host tier)",
-            )
-            need(
-                self.storage_path is not None, "storage_path", "a directory when storage_bytes > 0"
-            )
-        need(
-            self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
-            "storage_path",
-            "None or a directory path (str or os.PathLike)",
-        )
-        need(
-            self.namespace_salt is None or isinstance(self.namespace_salt, str),
-            "namespace_salt",
-            "None or a str",
-        )
-        need(
-            is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
+        _ints(self, ("selective_hits",))
+        _need(
+            _is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
+            self,
             "prefetch_threshold",
             "an int >= 0 (tokens)",
         )
-        for f in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
-            v = getattr(self, f)
-            need(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                f,
-                "a number of seconds >= 0",
-            )
-        choice("model", MODEL_KINDS)
-        choice("dtype", tuple(DTYPES))
-        choice("host_layout", HOST_LAYOUTS)
-        choice("io_backend", IO_BACKENDS)
-        choice("device", ("cpu", "cuda"))
-        choice("device_policy", POLICIES)
-        choice("host_policy", POLICIES)
-        choice("write_policy", WRITE_POLICIES)
-        choice("prefetch_policy", PREFETCH_POLICIES)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def storage_dir(self) -> Path | None:
-        return Path(self.storage_path) if self.storage_bytes else None
+        for n in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
+            _seconds(self, n)
+        _choice(self, "device_policy", EvictionPolicyName.values())
+        _choice(self, "host_policy", EvictionPolicyName.values())
+        _choice(self, "write_policy", WritePolicy.values())
+        _choice(self, "prefetch_policy", PrefetchPolicy.values())
 
     def prefetch_timeout_s(self, tokens: int) -> float:
         """``timeout`` policy: base + per-1K-token term, capped."""
         t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1000
         return min(t, self.prefetch_timeout_max_s)
 
-    def replace(self, **changes) -> TieredKVConfig:
-        return dataclasses.replace(self, **changes)
+
+_SECTIONS = {
+    "geometry": ModelGeometry,
+    "device": DeviceConfig,
+    "host": HostConfig,
+    "storage": StorageConfig,
+    "policies": PolicyConfig,
+}
+_FIELD_SECTION = {f.name: s for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class TieredKVConfig:
+    geometry: ModelGeometry = field(default_factory=ModelGeometry)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    policies: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise InvalidArgumentError(
+                    f"TieredKVConfig.{name} must be a {cls.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
+        # Rules that span sections.
+        ps, host = self.device.page_size, self.host
+        if host.host_tokens:
+            _need(
+                host.host_tokens >= ps,
+                host,
+                "host_tokens",
+                f"0 (no host tier) or at least one page ({ps} tokens)",
+            )
+            _need(host.host_tokens % ps == 0, host, "host_tokens", f"a multiple of page_size={ps}")
+        if self.storage.storage_bytes:
+            _need(
+                host.host_tokens > 0,
+                self.storage,
+                "storage_bytes",
+                "0 when host_tokens is 0 (storage pages move through the host tier)",
+            )
+
+    @classmethod
+    def flat(cls, **fields: object) -> TieredKVConfig:
+        """A config from flat field names (``page_size=16, host_tokens=0, ...``), each routed to
+        its section; the rest take their defaults."""
+        return cls().replace(**fields)
+
+    def replace(self, **changes: object) -> TieredKVConfig:
+        """A copy with flat fields (or whole sections) changed, validated again."""
+        by_section: dict[str, dict[str, object]] = {}
+        whole: dict[str, object] = {}
+        for name, value in changes.items():
+            if name in _SECTIONS and isinstance(value, _SECTIONS[name]):
+                whole[name] = value  # a whole section ("device" is also a flat field's name)
+                continue
+            section = _FIELD_SECTION.get(name)
+            if section is None:
+                raise InvalidArgumentError(
+                    f"TieredKVConfig has no field {name!r}; fields are "
+                    f"{', '.join(sorted(_FIELD_SECTION))}"
+                )
+            by_section.setdefault(section, {})[name] = value
+        parts = {s: whole.get(s, getattr(self, s)) for s in _SECTIONS}
+        for s, kw in by_section.items():
+            parts[s] = dataclasses.replace(parts[s], **kw)
+        return TieredKVConfig(**parts)
+
+    def as_flat(self) -> dict[str, object]:
+        """Every field by its flat name (for reports and JSON)."""
+        return {n: getattr(getattr(self, s), n) for n, s in _FIELD_SECTION.items()}
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.geometry.torch_dtype
+
+    @property
+    def page_size(self) -> int:
+        return self.device.page_size
+
+    @property
+    def storage_dir(self) -> Path | None:
+        s = self.storage
+        return Path(s.storage_path) if s.storage_bytes else None
+
+    def prefetch_timeout_s(self, tokens: int) -> float:
+        return self.policies.prefetch_timeout_s(tokens)

@@ -33,3 +33,20 @@ class BackendUnavailableError(TieredKVError):
 
 class StateError(TieredKVError):
     """A call came in the wrong order (e.g. free_group_end without free_group_begin)."""
+
+
+class TransferError(TieredKVError):
+    """A copy between tiers failed part-way (e.g. the native block copier refused it)."""
+
+
+class HostMemoryError(TieredKVError):
+    """A host pool would not fit in available memory. Lower the named setting."""
+
+
+class StorageOpenError(TieredKVError):
+    """The store directory cannot be created, opened or written. The message says which path."""
+
+
+class IntegrityError(TieredKVError):
+    """A structure's invariants do not hold (a bug, never a user error): the message has the
+    counts that disagree."""

@@ -14,14 +14,16 @@ from collections.abc import Iterator
 
 import torch
 
-from tiered_kv.cache_controller import CacheController
+from tiered_kv.cache.manager import CacheManager
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.host.host_kv_cache import host_pool_for
-from tiered_kv.radix_tree import TreeNode, first_page, path_to_root, walk
 from tiered_kv.storage.keys import StorageNamespace, page_digests
 from tiered_kv.storage.memory_store import MemoryStorage
-from tiered_kv.tiered_radix_cache import TieredRadixCache
+from tiered_kv.transfer.device_host import DeviceHostTransfer
+from tiered_kv.transfer.host_storage import HostStorageTransfer
+from tiered_kv.tree.node import TreeNode, first_page, path_to_root, walk
+from tiered_kv.tree.tiered_tree import TieredTree
 
 HEADS, HEAD_DIM, LAYERS = 3, 5, 3  # irregular on purpose
 DTYPE = torch.float32
@@ -51,8 +53,8 @@ def assert_bytes_equal(got: torch.Tensor, exp: torch.Tensor, what: str) -> None:
 
 
 class Stack:
-    """MHATokenToKVPool + paged allocator + page_first host pool + controller (+ storage) +
-    the tree, with a KV oracle."""
+    """MHATokenToKVPool + paged allocator + page_first host pool + transfer workers (+ storage)
+    + the tree and its manager, with a KV oracle."""
 
     def __init__(
         self,
@@ -87,19 +89,28 @@ class Stack:
             self.storage = storage_cls(self.ns, self.host.page_nbytes)
         else:
             self.storage = storage or None
-        self.controller = CacheController(
-            self.alloc, self.host, self.storage, storage_batch_pages=storage_batch_pages
-        )
-        self.tree = TieredRadixCache(
-            self.alloc,
-            self.host,
-            self.controller,
-            page_size=page_size,
+        self.device_host = DeviceHostTransfer(self.alloc, self.host)
+        self.host_storage = None
+        if self.storage is not None:
+            self.host_storage = HostStorageTransfer(
+                self.host, self.storage, batch_pages=storage_batch_pages
+            )
+        self.tree = TieredTree(
+            page_size,
             device_policy=device_policy,
             host_policy=host_policy,
+            digests=self.storage is not None,
+        )
+        self.manager = CacheManager(
+            self.tree,
+            self.alloc,
+            self.host,
+            self.device_host,
+            self.host_storage,
+            store=self.storage,
+            namespace=self.ns if self.storage is not None else None,
             write_policy=write_policy,
             selective_hits=selective_hits,
-            namespace=self.ns if self.storage is not None else None,
         )
         self.device0 = self.alloc.available_size()
         self.host0 = self.host.available_size()
@@ -108,7 +119,9 @@ class Stack:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.drain()
-        self.controller.close()
+        self.device_host.close()
+        if self.host_storage is not None:
+            self.host_storage.close()
 
     # -- the oracle --------------------------------------------------------------------------
     def _rand(self) -> torch.Tensor:
@@ -190,12 +203,12 @@ class Stack:
         n = len(tokens)
         slots = self.alloc.alloc(n)
         if slots is None and evict:
-            self.tree.make_device_room(n)
+            self.manager.make_device_room(n)
             slots = self.alloc.alloc(n)
         if slots is None:
             return None
         self.write_device(slots, tokens)
-        dup = self.tree.insert(tokens, slots)
+        dup = self.manager.insert(tokens, slots)
         if dup:
             self.alloc.free(slots[:dup])
         return dup
@@ -204,18 +217,18 @@ class Stack:
         """Wait for every copy and backup in flight and acknowledge them."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.controller.wait_all()
-            self.tree.check_all()
-            if not self.tree.pending_ops():
+            self.manager.wait_all()
+            self.manager.poll()
+            if not self.manager.pending_ops():
                 return
-            assert time.monotonic() < deadline, f"{self.tree.pending_ops()} ops never finished"
+            assert time.monotonic() < deadline, f"{self.manager.pending_ops()} ops never finished"
             time.sleep(0.001)
 
     def clear(self) -> None:
         self.drain()
-        self.tree.evict_device(HUGE)
+        self.manager.evict_device(HUGE)
         self.drain()
-        self.tree.evict_host(HUGE)
+        self.manager.evict_host(HUGE)
         self.drain()
 
     def node(self, tokens) -> TreeNode:
@@ -252,7 +265,7 @@ def path_tokens(node: TreeNode) -> tuple:
     return tuple(t for key in reversed(parts) for t in key)
 
 
-def attached(tree: TieredRadixCache, node: TreeNode) -> bool:
+def attached(tree: TieredTree, node: TreeNode) -> bool:
     """Whether ``node`` is reachable from the root."""
     n = node
     while n.parent is not None:
@@ -272,8 +285,10 @@ def per_token(node: TreeNode, attr: str) -> list[int | None]:
 
 
 def check_invariants(stack: Stack, *, outside_device: int = 0, outside_host: int = 0) -> None:
-    """Structural invariants of the tree (docstrings of tiered_radix_cache / radix_tree).
-    ``outside_*``: slots the test itself holds (not in the tree, not free)."""
+    """Structural invariants of the tree: the library's own check (``check_integrity``), then
+    the same invariants walked here against the real pools. ``outside_*``: slots the test
+    itself holds (not in the tree, not free)."""
+    stack.manager.check_integrity(outside_device=outside_device, outside_host=outside_host)
     tree, P = stack.tree, stack.P
     root = tree.root
     dev_seen: set[int] = set()
@@ -312,11 +327,11 @@ def check_invariants(stack: Stack, *, outside_device: int = 0, outside_host: int
             assert n not in tree.host_policy, f"{where}: host policy tracks a non-resident"
         assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()) >= 0, where
         assert n.host_ref >= sum(c.host_ref for c in n.children.values()) >= 0, where
-        if tree.namespace is not None:
+        if tree.digests:
             exp = page_digests(list(n.key), P, n.parent.last_digest())
             assert n.digests == exp, f"{where}: digests are not the page chain"
-        for kind, op in n.pending.items():
-            assert n in op.nodes, f"{where}: pending {kind} op does not list the node"
+        for kind, job_id in n.pending.items():
+            assert n in tree.job_nodes(job_id), f"{where}: pending {kind} job does not list it"
     assert stack.alloc.available_size() + dev_tokens + outside_device == stack.device0, (
         "device slots leaked or double counted: "
         f"{stack.alloc.available_size()} free + {dev_tokens} in tree + {outside_device} held "

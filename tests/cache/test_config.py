@@ -17,7 +17,7 @@ SMALL = dict(num_layers=2, head_num=2, head_dim=8, page_size=8, device_tokens=64
 
 
 def small(**changes) -> TieredKVConfig:
-    return TieredKVConfig(**{**SMALL, **changes})
+    return TieredKVConfig.flat(**{**SMALL, **changes})
 
 
 def test_defaults_are_valid():
@@ -29,7 +29,9 @@ def test_defaults_are_valid():
 def test_frozen():
     cfg = small()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.page_size = 16  # type: ignore[misc]
+        cfg.device.page_size = 16  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.device = cfg.device  # type: ignore[misc]
 
 
 P = 8
@@ -109,7 +111,7 @@ def test_rejects_impossible_settings_naming_the_field(changes, field):
 
 def test_replace_validates_again():
     cfg = small()
-    assert cfg.replace(page_size=4).page_size == 4
+    assert cfg.replace(page_size=4).device.page_size == 4
     with pytest.raises(InvalidArgumentError, match="page_size"):
         cfg.replace(page_size=12)
     with pytest.raises(InvalidArgumentError, match="write_policy"):
@@ -119,12 +121,12 @@ def test_replace_validates_again():
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16, 64])
 def test_power_of_two_pages_accepted(page_size):
     cfg = small(page_size=page_size, device_tokens=2 * page_size * 4, host_tokens=page_size)
-    assert cfg.page_size == page_size
+    assert cfg.device.page_size == page_size
 
 
 def test_host_of_exactly_one_page_and_no_host():
-    assert small(host_tokens=P).host_tokens == P
-    assert small(host_tokens=0).host_tokens == 0
+    assert small(host_tokens=P).host.host_tokens == P
+    assert small(host_tokens=0).host.host_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -173,9 +175,9 @@ def test_valid_config_builds_a_cache(tmp_path, changes, tiers):
         assert set(sizes) == tiers
         assert sizes["device"] == 64 and sizes["rows"] == 5
         assert sizes.get("host", 128) == 128
-        assert (cache.host_pool is None) == (cfg.host_tokens == 0)
-        assert (cache.storage is None) == (cfg.storage_bytes == 0)
-        if cfg.storage_bytes:
+        assert (cache.host_pool is None) == (cfg.host.host_tokens == 0)
+        assert (cache.storage is None) == (cfg.storage.storage_bytes == 0)
+        if cfg.storage.storage_bytes:
             assert (tmp_path / "store").is_dir()
         # one request through whatever tiers there are
         req = cache.begin(list(range(20)))

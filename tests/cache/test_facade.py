@@ -18,7 +18,8 @@ import torch
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import InvalidArgumentError, StateError
-from tiered_kv.metrics import RequestHits
+from tiered_kv.storage.keys import page_keys
+from tiered_kv.cache.metrics import RequestHits
 
 PAGE = 4
 LAYERS = 3
@@ -40,7 +41,7 @@ def make_config(tmp_path, **changes) -> TieredKVConfig:
         max_context_len=512,
     )
     base.update(changes)
-    return TieredKVConfig(**base)
+    return TieredKVConfig.flat(**base)
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ class Model:
     def __init__(self, cache: TieredKVCache, gen: torch.Generator) -> None:
         self.cache = cache
         self.gen = gen
-        c = cache.config
+        c = cache.config.geometry
         self.layers = c.num_layers
         self.dtype = c.torch_dtype
         self.mla = c.model == "mla"
@@ -146,7 +147,7 @@ class Model:
         assert h.device + h.host + h.storage + h.missed == len(prompt), h
         assert min(h.device, h.host, h.storage) >= 0
         assert req.prefix_len == h.device + h.host + h.storage
-        assert req.prefix_len % self.cache.config.page_size == 0 and h.missed >= 1
+        assert req.prefix_len % self.cache.config.device.page_size == 0 and h.missed >= 1
         assert req.tokens == list(prompt[: req.prefix_len])
         assert len(req.slots) == req.prefix_len
         row = self.cache.req_to_token.req_to_token[req.row, : req.prefix_len]
@@ -353,7 +354,7 @@ def test_extend_waits_for_backups_that_pin_the_device(make_cache, gen, monkeypat
     a, b, c = make_prompts(gen, [37, 25, 41])
     model.serve(a, drain=True)  # A: device, host, storage
     model.serve(b, drain=True)  # B's host copy pushes A's out; A stays on the device
-    node_a = cache.tree.match_prefix(a[:36], check_storage=False).last_node
+    node_a = cache.manager.match_prefix(a[:36], check_storage=False).last_node
     assert node_a.on_device and not node_a.on_host and node_a.in_storage
 
     release = threading.Event()
@@ -366,9 +367,9 @@ def test_extend_waits_for_backups_that_pin_the_device(make_cache, gen, monkeypat
     monkeypatch.setattr(cache.storage, "batch_set", blocked)
     req = model.serve(a, decode=3)  # A2, the page after A: device, host, backup blocked
     assert req.hits.device == 36
-    cache.controller.wait_all()
+    cache.manager.wait_all()
     cache.poll()
-    assert cache.tree.pending_ops() == 1  # A2's backup
+    assert cache.manager.pending_ops() == 1  # A2's backup
     assert cache.free_sizes()["device"] == 0
     timer = threading.Timer(0.2, release.set)
     timer.start()
@@ -390,7 +391,7 @@ def test_many_concurrent_host_loads(make_cache, gen, monkeypatch):
     for p in prompts:
         model.serve(p)
     cache.drain()
-    cache.tree.evict_device(1 << 30)  # all host-only now
+    cache.manager.evict_device(1 << 30)  # all host-only now
     real = cache.host_pool.load_to_device_per_layer
 
     def slow(*args, **kwargs):
@@ -414,7 +415,7 @@ def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
     (a,) = make_prompts(gen, [21])
     model.serve(a)
     cache.drain()
-    cache.tree.evict_device(1 << 30)
+    cache.manager.evict_device(1 << 30)
     real = cache.host_pool.load_to_device_per_layer
 
     def broken(*args, **kwargs):
@@ -571,13 +572,13 @@ def test_prefetch_wait_per_policy(
         prefetch_timeout_max_s=cap,
     )
     waits = []
-    real = cache.tree.finish_prefetch
+    real = cache.manager.prefetcher.finish
 
     def finish_prefetch(op, timeout_s):
         waits.append(timeout_s)
         return real(op, timeout_s)
 
-    monkeypatch.setattr(cache.tree, "finish_prefetch", finish_prefetch)
+    monkeypatch.setattr(cache.manager.prefetcher, "finish", finish_prefetch)
     req = model.cache.begin(p)
     assert len(waits) == 1
     if expected is None:
@@ -648,7 +649,7 @@ def test_removed_storage_directory(make_cache, gen):
     and whatever is served is exact."""
     cache, model, p = stored_then_cleared(make_cache, gen)
     prompts = make_prompts(gen, [33, 45, 38])
-    shutil.rmtree(cache.config.storage_path)
+    shutil.rmtree(cache.config.storage.storage_path)
     for q in [p, *prompts, p]:
         model.serve(q)
     cache.drain()
@@ -666,8 +667,7 @@ def test_removed_storage_directory(make_cache, gen):
 def test_corrupted_page_is_a_miss(make_cache, gen, where, page):
     cache, model, p = stored_then_cleared(make_cache, gen, storage_batch_pages=32)
     store = cache.storage
-    tree = cache.tree
-    keys = tree._keys(tuple(p[:48]), tree.root.last_digest())
+    keys = page_keys(cache.manager.namespace, p[:48], PAGE)
     db = store._pages if where == "payload" else store._headers
     with store._lock, store._env.begin(write=True) as txn:
         raw = bytearray(txn.get(keys[page], db=db))
@@ -863,7 +863,7 @@ def test_prepare_forward_points_layer_waits_at_an_earlier_request(make_cache, ge
     for p in (a, b):
         model.serve(p)
     cache.drain()
-    cache.tree.evict_device(1 << 30)
+    cache.manager.evict_device(1 << 30)
     real = cache.host_pool.load_to_device_per_layer
 
     def slow(*args, **kwargs):
@@ -874,7 +874,7 @@ def test_prepare_forward_points_layer_waits_at_an_earlier_request(make_cache, ge
     ra = cache.begin(a)
     rb = cache.begin(b)
     assert ra.hits.host == aligned(33) and rb.hits.host == aligned(29)
-    counter = cache.controller.layer_done_counter
+    counter = cache.device_host.layer_done_counter
     assert counter.consumer == rb.load_slot != ra.load_slot
     cache.prepare_forward(ra)
     assert counter.consumer == ra.load_slot

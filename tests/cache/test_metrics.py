@@ -10,7 +10,7 @@ import torch
 
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.metrics import HitCounters, RequestHits, as_dict, prometheus_text
+from tiered_kv.cache.metrics import HitCounters, RequestHits, as_dict, prometheus_text
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
@@ -163,7 +163,7 @@ def test_empty_stats():
 @pytest.fixture
 def cache(tmp_path):
     c = TieredKVCache(
-        TieredKVConfig(
+        TieredKVConfig.flat(
             num_layers=2,
             head_num=2,
             head_dim=8,

@@ -53,7 +53,7 @@ def cache_config(tmp_path, mc: ModelConfig = MC, **changes) -> TieredKVConfig:
         max_context_len=1024,
     )
     base.update(changes)
-    return TieredKVConfig(**base)
+    return TieredKVConfig.flat(**base)
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_against_no_cache(server: Server, prompt: list[int], s: Served, *, bitwise: bool):
     """The served logits (every computed prompt position and every decode step) against a
     no-cache forward computed here; and greedy decoding followed those logits."""
-    model, chunk = server.model.model, server.cache.config.page_size
+    model, chunk = server.model.model, server.cache.config.device.page_size
     ref_prefill, ref_steps = no_cache(model, prompt, s.out, chunk)
     prefix = len(prompt) - s.record.recomputed
     pairs = [(s.prefill, ref_prefill[prefix:]), *zip(s.steps, ref_steps, strict=True)]
@@ -152,21 +152,21 @@ def aligned(n: int, page: int) -> int:
 
 def scribble_device(cache: TieredKVCache) -> None:
     """Nothing is on the device: overwrite it, so KV found there later was copied back."""
-    assert cache.tree.device_tokens() == 0
+    assert cache.tree.device_tokens == 0
     for buf in cache.device_pool.buffers():
         buf.fill_(GARBAGE)
 
 
 def scribble_host(cache: TieredKVCache) -> None:
-    assert cache.tree.host_tokens() == 0
+    assert cache.tree.host_tokens == 0
     cache.host_pool.buffer.fill_(GARBAGE)
 
 
 def move_to_host(cache: TieredKVCache) -> None:
     cache.drain()
-    cache.tree.evict_device(1 << 30)
+    cache.manager.evict_device(1 << 30)
     cache.drain()
-    assert cache.tree.host_tokens() > 0
+    assert cache.tree.host_tokens > 0
     scribble_device(cache)
 
 
@@ -182,7 +182,7 @@ def assert_no_leak(cache: TieredKVCache, initial: dict) -> None:
     cache.drain()
     cache.clear_tree()
     assert cache.free_sizes() == initial
-    assert cache.tree.device_tokens() == cache.tree.host_tokens() == 0
+    assert cache.tree.device_tokens == cache.tree.host_tokens == 0
 
 
 def tier_counts(record) -> dict:
@@ -370,7 +370,7 @@ def test_restored_from_host_with_other_policies_and_layouts(make_cache, gen, cha
     check_against_no_cache(server, p1, serve(server, p1, 2), bitwise=True)
     if changes.get("write_policy") == "write_through_selective":
         # nothing is written to host before a hit: a device hit triggers the copy
-        assert cache.tree.host_tokens() == 0
+        assert cache.tree.host_tokens == 0
         p_hit = diverging(gen, shared, p1, 4)
         s = serve(server, p_hit, 1)
         assert s.record.device == 32

@@ -16,13 +16,15 @@ import torch
 
 from tiered_kv.cli.sim_cmd import sweep
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.eviction import POLICIES
-from tiered_kv.radix_tree import walk
+from tiered_kv.tree.policies import POLICIES
+from tiered_kv.tree.node import walk
 from tiered_kv.sim.belady import access_sequence, belady_hits
 from tiered_kv.sim.simulator import CountingSlots, KeyStore, SimCache, SimResult
 from tiered_kv.sim.traces import TraceRequest, long_doc_qa, multi_round_qa, unique_blocks
 from tiered_kv.storage.keys import page_digests
-from tiered_kv.tiered_radix_cache import WRITE_POLICIES
+from tiered_kv.names import WritePolicy
+
+WRITE_POLICIES = WritePolicy.values()
 
 # (device, host, storage) block capacities; storage 0: no storage tier.
 CAPACITIES = [(1, 0, 0), (3, 0, 0), (4, 4, 0), (6, 3, 0), (2, 8, 0), (3, 5, 4), (5, 5, 6)]
@@ -101,7 +103,7 @@ def run_checked(sim: SimCache, trace) -> list[tuple[int, int, int, int]]:
         dev, both = resident(tree, blocks)
         in_store = 0
         if sim.store is not None:
-            keys = [tree.namespace.fingerprint + d for d in page_digests(list(blocks), 1)]
+            keys = [sim.manager.namespace.fingerprint + d for d in page_digests(list(blocks), 1)]
             while both + in_store < len(blocks) and keys[both + in_store] in sim.store._keys:
                 in_store += 1
         before = astuple(res)
@@ -123,10 +125,10 @@ def run_checked(sim: SimCache, trace) -> list[tuple[int, int, int, int]]:
         hits = d + h + s
         assert set(blocks[:hits]) <= seen  # a hit block was seen before
         seen.update(blocks)
-        tree.check_all()  # what the next request's check_all does: nothing runs in between
+        sim.manager.poll()  # what the next request's poll does: nothing runs in between
         check_pools(sim)
         assert all(n.lock_ref == 0 and n.host_ref == 0 for n in walk(tree.root))
-        assert tree.pending_ops() == 0  # every stand-in copy completes at once
+        assert sim.manager.pending_ops() == 0  # every stand-in copy completes at once
         out.append((d, h, s, m))
     return out
 
@@ -134,9 +136,9 @@ def run_checked(sim: SimCache, trace) -> list[tuple[int, int, int, int]]:
 def evict_everything(sim: SimCache) -> None:
     tree = sim.tree
     for _ in range(3):  # write_back moves device victims to the host on the way out
-        tree.evict_device(sim.device.capacity)
+        sim.manager.evict_device(sim.device.capacity)
         if sim.host is not None:
-            tree.evict_host(sim.host.capacity)
+            sim.manager.evict_host(sim.host.capacity)
     assert not tree.root.children
     assert sim.device.available_size() == sim.device.capacity
     if sim.host is not None:
@@ -309,14 +311,14 @@ def test_write_through_writes_every_block_when_the_host_has_room():
         sim = _sim(12, unique_blocks(trace), 0, policy, "write_through")
         for req in trace:
             sim.request(req.blocks)
-            sim.tree.check_all()
+            sim.manager.poll()
             assert all(n.on_host for n in walk(sim.tree.root) if n.on_device)
         assert sim.result.host > 0
         # write_back copies only on eviction: while nothing was evicted, nothing is on host
         sim = _sim(unique_blocks(trace), unique_blocks(trace), 0, policy, "write_back")
         sim.run(trace)
-        sim.tree.check_all()
-        assert sim.tree.device_counters.evicted_nodes == 0
+        sim.manager.poll()
+        assert sim.manager.metrics.device.evicted_nodes == 0
         assert not any(n.on_host for n in walk(sim.tree.root))
 
 
@@ -325,7 +327,7 @@ def test_write_through_tiers_are_inclusive():
     # (0,)'s host copy (last hit before (1, 2) was inserted) over the host-only (1, 2).
     sim = _sim(4, 4, 0)
     sim.run(_trace([(0,), (0, 1, 2), (3, 4)]))
-    sim.tree.check_all()
+    sim.manager.poll()
     missing = [n for n in walk(sim.tree.root) if n.on_device and not n.on_host]
     assert not missing, missing
     # And in general, for every policy, with the host at least as large as the device.
@@ -337,7 +339,7 @@ def test_write_through_tiers_are_inclusive():
                 sim = _sim(device, host, 0, policy)
                 for req in trace:
                     sim.request(req.blocks)
-                    sim.tree.check_all()
+                    sim.manager.poll()
                     missing = [n for n in walk(sim.tree.root) if n.on_device and not n.on_host]
                     assert not missing, (policy, device, host, missing)
 
@@ -414,8 +416,8 @@ def test_sim_result_rates():
 
 def test_storage_needs_a_host_tier():
     sim = _sim(2, 0, None)
-    assert sim.store is None and sim.controller is None and sim.tree.storage is None
-    assert _sim(2, 2, 0).store is None and _sim(2, 2, 0).tree.storage is None
+    assert sim.store is None and sim.transfer is None and sim.manager.store is None
+    assert _sim(2, 2, 0).store is None and _sim(2, 2, 0).manager.store is None
     assert _sim(2, 2, None).tree.storage is not None
 
 

@@ -21,12 +21,11 @@ from tqdm import tqdm
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
-from tiered_kv.config import PREFETCH_POLICIES, TieredKVConfig
+from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
-from tiered_kv.eviction import POLICIES
-from tiered_kv.tiered_radix_cache import WRITE_POLICIES
+from tiered_kv.names import EvictionPolicyName, PrefetchPolicy, WritePolicy
 
 HELP = "serve a multi-turn long-context workload with offload and verify the restored KV"
 REL_TOLERANCE = 1e-6
@@ -70,10 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="page_first",
         choices=("layer_first", "page_first", "page_first_direct"),
     )
-    c.add_argument("--device-policy", default="lru", choices=POLICIES)
-    c.add_argument("--host-policy", default="lru", choices=POLICIES)
-    c.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
-    c.add_argument("--prefetch-policy", default="wait_complete", choices=PREFETCH_POLICIES)
+    c.add_argument("--device-policy", default="lru", choices=EvictionPolicyName.values())
+    c.add_argument("--host-policy", default="lru", choices=EvictionPolicyName.values())
+    c.add_argument("--write-policy", default="write_through", choices=WritePolicy.values())
+    c.add_argument("--prefetch-policy", default="wait_complete", choices=PrefetchPolicy.values())
     c.add_argument("--prefetch-threshold", type=non_negative_int, default=16, help="tokens")
     p.add_argument("--no-verify", action="store_true", help="skip the no-cache recomputation")
     p.add_argument("--no-progress", action="store_true")
@@ -153,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         geometry = dict(head_num=args.kv_heads, head_dim=args.head_dim)
-    cfg = TieredKVConfig(
+    cfg = TieredKVConfig.flat(
         num_layers=args.layers,
         **geometry,
         page_size=args.page_size,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from tiered_kv.cli.args import capacity_list, name_list, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.eviction import POLICIES
+from tiered_kv.names import WritePolicy
 from tiered_kv.sim.belady import access_sequence, belady_hits
 from tiered_kv.sim.simulator import SimCache
 from tiered_kv.sim.traces import (
@@ -31,7 +31,7 @@ from tiered_kv.sim.traces import (
     multi_round_qa,
     unique_blocks,
 )
-from tiered_kv.tiered_radix_cache import WRITE_POLICIES
+from tiered_kv.tree.policies import POLICIES
 
 HELP = "replay a trace against tier capacities and policies; compare with the offline optimum"
 
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="same",
         help="host eviction policy; 'same': the device's",
     )
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    p.add_argument("--write-policy", choices=WritePolicy.values(), default="write_through")
     p.add_argument("--plot", metavar="PATH.png", help="hit rate against capacity")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("generators")

@@ -20,6 +20,7 @@ import torch
 from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.engine.model import DenseKV, TinyLlama
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import ModelKind
 
 
 class PagedKV:
@@ -42,7 +43,7 @@ class PagedKV:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
         k = pool.get_key_buffer(layer)[idx].to(self.dtype)
-        if self.cache.config.model == "mla":
+        if self.cache.config.geometry.model == ModelKind.MLA:
             return k, None  # the latent holds both
         return k, pool.get_value_buffer(layer)[idx].to(self.dtype)
 
@@ -68,7 +69,7 @@ class Server:
         self.model = model
         self.cache = cache
         self.chunk = cache.config.page_size
-        mc, c = model.cfg, cache.config
+        mc, c = model.cfg, cache.config.geometry
         # The model writes per-token K/V of fixed shapes: the cache must hold exactly that, or
         # the first request fails halfway (InvalidArgumentError is a ValueError).
         if hasattr(mc, "kv_lora_rank"):  # an MLA model (TinyMLA, or a wrapper of one)

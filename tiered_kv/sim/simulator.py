@@ -17,14 +17,19 @@ can drop such copies); ``write_through_selective`` and ``write_back`` are not in
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from tiered_kv.cache import lifecycle
+from tiered_kv.cache.manager import CacheManager
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.tiered_radix_cache import TieredRadixCache
+from tiered_kv.names import Direction, JobId
+from tiered_kv.storage.keys import StorageNamespace
+from tiered_kv.transfer.base import TransferJob, TransferResult
+from tiered_kv.tree.tiered_tree import TieredTree
 
 
 class CountingSlots:
@@ -48,27 +53,6 @@ class CountingSlots:
 
     def available_size(self) -> int:
         return len(self._free)
-
-
-class _Done:
-    def __init__(self, op_id=None, keys=(), pages_done=0, ok=()):
-        self.op_id = op_id
-        self.keys = list(keys)
-        self.pages_done = pages_done
-        self.ok = list(ok)
-        self.error = None
-        self.done = threading.Event()
-        self.done.set()
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
-
-    def synchronize(self) -> None:
-        return None
-
-    def cancel(self) -> None:
-        return None
 
 
 class KeyStore:
@@ -101,52 +85,50 @@ class KeyStore:
         return len(self._keys)
 
 
-class InstantController:
-    """The controller interface the tree calls; every copy is complete when issued."""
+class InstantTransfer:
+    """The transfer contract where every job is complete when submitted: device <-> host
+    copies succeed, backups add their keys to the key store, prefetches find its leading keys.
+    Results are delivered by the next ``poll``, as a real worker's would be."""
 
-    def __init__(self, storage: KeyStore | None) -> None:
-        self.storage = storage
-        self._writes: list = []
-        self._loads: list = []
-        self._backups: list = []
+    def __init__(self, store: KeyStore | None) -> None:
+        self.store = store
+        self._results: list[TransferResult] = []
 
-    def write(self, device, host, op_id):
-        self._writes.append((op_id, True))
-        return _Done()
+    def submit(self, job: TransferJob) -> bool:
+        n, pages = len(job.host_indices), job.num_pages
+        if job.direction is Direction.HOST_TO_STORAGE:
+            done = sum(self.store.add(job.keys))
+            result = TransferResult(job.job_id, job.direction, done == pages, n, 0.0, done, pages)
+        elif job.direction is Direction.STORAGE_TO_HOST:
+            done = self.store.batch_exists(job.keys)
+            result = TransferResult(job.job_id, job.direction, done == pages, n, 0.0, done, pages)
+        else:
+            result = TransferResult(job.job_id, job.direction, True, n, 0.0)
+        self._results.append(result)
+        return True
 
-    def poll_writes(self):
-        out, self._writes = self._writes, []
+    def poll(self) -> list[TransferResult]:
+        out, self._results = self._results, []
         return out
 
-    def load(self, host, device, op_id):
-        self._loads.append((op_id, True))
+    def wait(self, job_ids: Iterable[JobId] | None = None, timeout_s: float | None = None) -> bool:
+        return True
 
-    def start_loading(self):
+    def cancel(self, job_id: JobId) -> None:
         return None
 
-    def poll_loads(self):
-        out, self._loads = self._loads, []
-        return out
-
-    def backup_to_storage(self, keys, host, op_id):
-        op = _Done(op_id, keys, ok=self.storage.add(keys))
-        op.pages_done = sum(op.ok)
-        self._backups.append(op)
-        return op
-
-    def poll_backups(self):
-        out, self._backups = self._backups, []
-        return out
-
-    def prefetch(self, keys, host, op_id):
-        return _Done(op_id, keys, pages_done=self.storage.batch_exists(keys))
-
-    def wait_all(self) -> None:
+    def close(self) -> None:
         return None
 
+    def load_slot(self, job_id: JobId) -> int | None:
+        return None
 
-class _Namespace:
-    fingerprint = b"sim-namespace-16"
+    @property
+    def in_flight(self) -> int:
+        return len(self._results)
+
+
+_NAMESPACE = StorageNamespace("sim", b"sim-namespace-16")
 
 
 @dataclass
@@ -188,56 +170,45 @@ class SimCache:
         if storage_blocks != 0 and self.host is not None:
             store = KeyStore(storage_blocks)
         self.store = store
-        self.controller = InstantController(store) if self.host is not None else None
-        self.tree = TieredRadixCache(
-            self.device,
-            self.host,
-            self.controller,
-            page_size=1,
+        self.transfer = InstantTransfer(store) if self.host is not None else None
+        self.tree = TieredTree(
+            1,
             device_policy=device_policy,
             host_policy=host_policy,
+            digests=store is not None,
+        )
+        self.manager = CacheManager(
+            self.tree,
+            self.device,
+            self.host,
+            self.transfer,
+            self.transfer if store is not None else None,
+            store=store,
+            namespace=_NAMESPACE if store is not None else None,
             write_policy=write_policy,
-            namespace=_Namespace() if store is not None else None,
         )
         self.result = SimResult()
 
     def request(self, blocks) -> None:
-        tree, res = self.tree, self.result
+        """One request through the cache's own lifecycle: begin (match, prefetch the storage
+        hit to host, load the host part back), allocate the missed blocks, finish (insert,
+        release)."""
+        res, manager = self.result, self.manager
         blocks = tuple(blocks)
         res.requests += 1
         res.blocks += len(blocks)
-        tree.check_all()
-        m = tree.match_prefix(blocks)
-        dev, host, storage = m.device_hit_length, m.host_hit_length, 0
-        node = m.last_node
-        if m.storage_keys:
-            op = tree.start_prefetch(m, blocks)
-            if op is not None and tree.finish_prefetch(op, None):
-                # A second look at this request's prefix: no second hit (as TieredKVCache.begin).
-                m2 = tree.match_prefix(blocks, check_storage=False, count_hit=False)
-                storage = max(0, m2.device_hit_length + m2.host_hit_length - dev - host)
-                node = m2.last_node
-        if node is not m.last_device_node and not node.on_device:
-            if tree.load_back(node) is None:
-                node, host, storage = m.last_device_node, 0, 0
-        tree.inc_lock_ref(node)
-        hit = dev + host + storage
-        new = tree._alloc_device(len(blocks) - hit)
-        tree.dec_lock_ref(node)
-        res.device += dev
-        res.host += host
-        res.storage += storage
-        res.missed += len(blocks) - hit
-        if new is None:
-            return  # the device cannot hold this request: served, not cached
-        prefix = self._device_slots(blocks[:hit])
-        dup = tree.insert(blocks, torch.cat([prefix, new]))
-        if dup > hit:
-            self.device.free(new[: dup - hit])
-
-    def _device_slots(self, blocks) -> torch.Tensor:
-        m = self.tree.match_prefix(blocks, check_storage=False, count_hit=False) if blocks else None
-        return m.device_indices if m is not None else torch.empty(0, dtype=torch.int64)
+        grant = lifecycle.begin(manager, blocks, prompt_tokens=len(blocks))
+        hits = grant.hits
+        res.device += hits.device
+        res.host += hits.host
+        res.storage += hits.storage
+        res.missed += hits.missed
+        new = manager.alloc_device(len(blocks) - grant.prefix_len)
+        if new is None:  # the device cannot hold this request: served, not cached
+            lifecycle.abort(manager, grant, grant.slots)
+            return
+        slots = torch.cat([grant.slots, new])
+        lifecycle.finish(manager, grant, blocks, slots, poll=False)
 
     def run(self, trace) -> SimResult:
         for r in trace:

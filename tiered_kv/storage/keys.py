@@ -118,6 +118,16 @@ def page_keys(
     return [PageKey(namespace.fingerprint + d) for d in page_digests(tokens, page_size, prior)]
 
 
+def page_keys_of(namespace: StorageNamespace, digests: Sequence[bytes]) -> list[PageKey]:
+    """Storage keys under ``namespace`` of pages whose chain digests are already known (a
+    prefix tree keeps them per node)."""
+    fp = namespace.fingerprint
+    for d in digests:
+        if len(d) != DIGEST_BYTES:
+            raise InvalidArgumentError(f"a page digest has {len(d)} bytes; expected {DIGEST_BYTES}")
+    return [PageKey(fp + d) for d in digests]
+
+
 def digest_of(key: bytes) -> bytes:
     """The chain digest inside a key (to continue the chain from it)."""
     return key[FINGERPRINT_BYTES:]

@@ -6,8 +6,9 @@ import threading
 from dataclasses import dataclass
 
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import Direction
 
-DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
+DIRECTIONS = Direction.values()
 
 
 @dataclass
@@ -25,7 +26,7 @@ class DirectionStats:
 class TransferStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by = {d: DirectionStats() for d in DIRECTIONS}
+        self._by = {Direction(d): DirectionStats() for d in DIRECTIONS}
 
     def add(self, direction: str, nbytes: int, seconds: float, ok: bool = True) -> None:
         if direction not in self._by:
@@ -44,6 +45,6 @@ class TransferStats:
     def snapshot(self) -> dict[str, DirectionStats]:
         with self._lock:
             return {
-                d: DirectionStats(s.bytes, s.seconds, s.ops, s.failed_ops)
+                d.value: DirectionStats(s.bytes, s.seconds, s.ops, s.failed_ops)
                 for d, s in self._by.items()
             }

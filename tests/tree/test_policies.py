@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.eviction import (
+from tiered_kv.tree.policies import (
     POLICIES,
     FIFOPolicy,
     LFUPolicy,

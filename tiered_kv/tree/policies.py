@@ -15,13 +15,13 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
 
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import EvictionPolicyName, parse
 
-POLICIES = ("lru", "lfu", "fifo", "s3fifo")
+POLICIES = EvictionPolicyName.values()
 
 
 class EvictionPolicy(ABC):
-    name: str
+    name: EvictionPolicyName
 
     def __init__(self) -> None:
         self._clock = 0
@@ -66,7 +66,7 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    name = "lru"
+    name = EvictionPolicyName.LRU
 
     def priority(self, node: Any) -> tuple:
         return (self._state[id(node)][1],)
@@ -75,7 +75,7 @@ class LRUPolicy(EvictionPolicy):
 class LFUPolicy(EvictionPolicy):
     """Fewest hits first; ties broken by least recent access."""
 
-    name = "lfu"
+    name = EvictionPolicyName.LFU
 
     def priority(self, node: Any) -> tuple:
         st = self._state[id(node)]
@@ -83,7 +83,7 @@ class LFUPolicy(EvictionPolicy):
 
 
 class FIFOPolicy(EvictionPolicy):
-    name = "fifo"
+    name = EvictionPolicyName.FIFO
 
     def priority(self, node: Any) -> tuple:
         return (self._state[id(node)][0],)
@@ -97,7 +97,7 @@ class S3FIFOPolicy(EvictionPolicy):
     while it holds at least ``small_fraction`` of the tier's nodes, the main queue otherwise.
     Nodes are recognised in the ghost list by ``node.ghost_key`` (their token prefix)."""
 
-    name = "s3fifo"
+    name = EvictionPolicyName.S3FIFO
 
     def __init__(self, small_fraction: float = 0.1, ghost_limit: int = 1 << 16) -> None:
         super().__init__()
@@ -159,11 +159,8 @@ class S3FIFOPolicy(EvictionPolicy):
         return True
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    classes = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy, "s3fifo": S3FIFOPolicy}
-    cls = classes.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise InvalidArgumentError(
-            f"eviction policy {name!r} is unknown; use one of {', '.join(POLICIES)}"
-        )
-    return cls()
+def make_policy(name: str | EvictionPolicyName) -> EvictionPolicy:
+    """A fresh policy object (its own per-node state) for one tier."""
+    member = parse(EvictionPolicyName, name, "eviction policy")
+    classes = {c.name: c for c in (LRUPolicy, LFUPolicy, FIFOPolicy, S3FIFOPolicy)}
+    return classes[member]()

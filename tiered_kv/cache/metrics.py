@@ -1,13 +1,20 @@
-"""Cache metrics: tokens hit per tier and missed, transfers per direction, evictions per tier,
-storage errors; as a flat dict and as Prometheus text exposition."""
+"""Cache metrics: one stats tree (hits per tier and missed, evictions per tier, storage errors,
+transfers per direction), rendered as the ``stats()`` dict and as Prometheus text exposition.
+
+Everything the cache counts lives in one :class:`CacheMetrics`; storage errors are counted in
+one place (the manager, for probes and failed storage jobs) plus what the store absorbs itself.
+"""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-TIERS = ("device", "host", "storage")
+from tiered_kv.names import Tier
+from tiered_kv.transfer.stats import TransferStats
+
+TIERS = Tier.values()
 
 
 @dataclass
@@ -37,6 +44,71 @@ class HitCounters:
         self.host += r.host
         self.storage += r.storage
         self.missed += r.missed
+
+
+@dataclass
+class TierCounters:
+    evicted_tokens: int = 0
+    evicted_nodes: int = 0
+    dropped_tokens: int = 0  # left the tree entirely (no copy kept anywhere below)
+    writes_skipped: int = 0  # no room on the tier below
+
+
+@dataclass
+class CacheMetrics:
+    """The one stats tree of a cache."""
+
+    hits: HitCounters = field(default_factory=HitCounters)
+    device: TierCounters = field(default_factory=TierCounters)
+    host: TierCounters = field(default_factory=TierCounters)
+    storage_errors: int = 0  # failed probes, refused and failed storage jobs
+    transfer: TransferStats = field(default_factory=TransferStats)
+
+    def render(self, store, occupancy: dict[str, int]) -> dict:
+        """The ``stats()`` dict. ``store``: the page store's own ``StorageStats`` or None."""
+        transfer = {
+            d: {
+                "bytes": s.bytes,
+                "seconds": s.seconds,
+                "ops": s.ops,
+                "failed_ops": s.failed_ops,
+                "gbps": s.gbps,
+            }
+            for d, s in self.transfer.snapshot().items()
+        }
+        h, dc, hc, st = self.hits, self.device, self.host, store
+        return {
+            "requests": h.requests,
+            "hits": {
+                "prompt": h.prompt_tokens,
+                "device": h.device,
+                "host": h.host,
+                "storage": h.storage,
+                "missed": h.missed,
+            },
+            "transfer": transfer,
+            "evictions": {
+                "device": {
+                    "tokens": dc.evicted_tokens,
+                    "nodes": dc.evicted_nodes,
+                    "dropped_tokens": dc.dropped_tokens,
+                },
+                "host": {
+                    "tokens": hc.evicted_tokens,
+                    "nodes": hc.evicted_nodes,
+                    "dropped_tokens": hc.dropped_tokens,
+                    "writes_skipped": hc.writes_skipped,
+                },
+                "storage": {"pages": st.evictions if st else 0},
+            },
+            "storage": {
+                "checksum_failures": st.checksum_failures if st else 0,
+                # The manager's count plus the disk trouble the store absorbed itself.
+                "errors": self.storage_errors + (sum(st.errors.values()) if st else 0),
+                "pages": st.pages if st else 0,
+            },
+            "occupancy": dict(occupancy),
+        }
 
 
 # Cumulative values (Prometheus counters); everything else is a gauge. ``transfer`` holds a

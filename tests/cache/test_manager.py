@@ -1,5 +1,5 @@
-"""TieredRadixCache on real stacks: MHATokenToKVPool + paged allocator -> page_first host pool
--> MemoryStorage, moved by a CacheController. KV is random per token prefix (an oracle in
+"""CacheManager over a TieredTree on real stacks: MHATokenToKVPool + paged allocator ->
+page_first host pool -> MemoryStorage, moved by the transfer workers. KV is random per token prefix (an oracle in
 ``_tree_util``) and every copy is compared byte for byte."""
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from tests.cache._tree_util import (
     stack_factory,
 )
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.radix_tree import path_to_root, walk
+from tiered_kv.tree.node import path_to_root, walk
 from tiered_kv.storage.memory_store import MemoryStorage
-from tiered_kv.tiered_radix_cache import TieredRadixCache
+from tiered_kv.cache.manager import CacheManager
+from tiered_kv.tree.tiered_tree import TieredTree
 
 
 @pytest.fixture(autouse=True)
@@ -49,16 +50,26 @@ def host_only(node) -> bool:
 def test_bad_arguments(make_stack):
     s = make_stack()
     with pytest.raises(InvalidArgumentError, match="write_policy"):
-        TieredRadixCache(s.alloc, s.host, s.controller, page_size=4, write_policy="nope")
-    with pytest.raises(InvalidArgumentError, match="controller"):
-        TieredRadixCache(s.alloc, s.host, None, page_size=4)
+        CacheManager(s.tree, s.alloc, s.host, s.device_host, write_policy="nope")
+    with pytest.raises(InvalidArgumentError, match="transfer worker"):
+        CacheManager(s.tree, s.alloc, s.host, None)
     with pytest.raises(InvalidArgumentError, match="lru"):
-        TieredRadixCache(s.alloc, s.host, s.controller, page_size=4, device_policy="nope")
+        TieredTree(4, device_policy="nope")
+    with pytest.raises(InvalidArgumentError, match="digests"):
+        CacheManager(
+            TieredTree(4),
+            s.alloc,
+            s.host,
+            s.device_host,
+            s.host_storage,
+            store=s.storage,
+            namespace=s.ns,
+        )
 
 
 def test_device_only_tree_without_host(gen, make_stack):
     s = make_stack(device_pages=3)
-    tree = TieredRadixCache(s.alloc, page_size=4)
+    tree = CacheManager(TieredTree(4), s.alloc)
     a, b = toks(gen, 8), toks(gen, 8)
     for seq in (a, b):
         slots = s.alloc.alloc(8)
@@ -66,12 +77,12 @@ def test_device_only_tree_without_host(gen, make_stack):
             tree.make_device_room(8)
             slots = s.alloc.alloc(8)
         tree.insert(seq, slots)
-    s.tree = tree
+    s.tree, s.manager = tree.tree, tree
     assert tree.match_prefix(a).device_hit_length == 0  # a was dropped to make room
     assert tree.match_prefix(b).device_hit_length == 8
     assert tree.evict_host(HUGE) == 0
     tree.evict_device(HUGE)
-    assert not tree.root.children and s.alloc.available_size() == s.device0
+    assert not tree.tree.root.children and s.alloc.available_size() == s.device0
 
 
 # -- matching, splitting, alignment ---------------------------------------------------------
@@ -82,20 +93,20 @@ def test_match_prefix_reports_device_then_host(gen, make_stack):
     s.put(a + b)
     s.drain()
     na, nb = s.node(a), s.node(a + b)
-    assert s.tree.evict_device(1) == 12  # the leaf goes; it keeps its host copy
+    assert s.manager.evict_device(1) == 12  # the leaf goes; it keeps its host copy
     assert host_only(nb) and na.on_device
-    m = s.tree.match_prefix(a + b + toks(gen, 3))  # a partial last page is ignored
+    m = s.manager.match_prefix(a + b + toks(gen, 3))  # a partial last page is ignored
     assert (m.device_hit_length, m.host_hit_length, m.storage_hit_length) == (8, 12, 0)
     assert torch.equal(m.device_indices, na.device)
     assert m.last_device_node is na and m.last_node is nb
     s.assert_device(m.device_indices, a)
     s.assert_host(nb.host, a + b)
     # Unknown continuation: nothing on any tier past the tree.
-    m2 = s.tree.match_prefix(a + toks(gen, 4, hi=10))
+    m2 = s.manager.match_prefix(a + toks(gen, 4, hi=10))
     assert (m2.device_hit_length, m2.host_hit_length, m2.storage_hit_length) == (8, 0, 0)
     assert m2.last_node is na
     # Nothing known at all.
-    m3 = s.tree.match_prefix(toks(gen, 9, hi=10))
+    m3 = s.manager.match_prefix(toks(gen, 9, hi=10))
     assert m3.device_hit_length == m3.host_hit_length == 0 and m3.last_node is s.tree.root
     assert m3.device_indices.numel() == 0
     check_invariants(s)
@@ -110,7 +121,7 @@ def test_partial_match_splits_consistently(gen, make_stack):
     dev, host, digests = node.device.clone(), node.host.clone(), list(node.digests)
     assert node.in_storage and len(digests) == 5
     probe = seq[:9] + [seq[9] + 1] + seq[10:]  # diverges inside the third page
-    m = s.tree.match_prefix(probe)
+    m = s.manager.match_prefix(probe)
     assert m.device_hit_length == 8 and m.host_hit_length == 0
     front = m.last_node
     assert front is not node and front.parent is s.tree.root and node.parent is front
@@ -136,13 +147,13 @@ def test_split_with_pending_write_acknowledges_both_halves(gen, make_stack):
     s.put(seq)  # write_through: a device -> host copy is now in flight
     node = s.node(seq)
     assert "write" in node.pending and node.lock_ref == 1
-    m = s.tree.match_prefix(seq[:4] + [seq[4] + 1])  # split after one page
+    m = s.manager.match_prefix(seq[:4] + [seq[4] + 1])  # split after one page
     front = m.last_node
     assert len(front) == 4 and node.parent is front
-    assert front.pending["write"] is node.pending["write"]
+    assert front.pending["write"] == node.pending["write"]
     assert front.lock_ref == node.lock_ref == 1
     op = node.pending["write"]
-    assert front in op.nodes and node in op.nodes
+    assert front in s.tree.job_nodes(op) and node in s.tree.job_nodes(op)
     check_invariants(s)
     s.drain()
     for n in (front, node):
@@ -160,15 +171,14 @@ def test_split_with_pending_load_acknowledges_both_halves(gen, make_stack):
     seq = toks(gen, 16)
     s.put(seq)
     s.drain()
-    s.tree.evict_device(HUGE)
+    s.manager.evict_device(HUGE)
     node = s.node(seq)
     assert host_only(node)
-    slots = s.tree.load_back(node)
+    slots = s.manager.load_back(node)
     assert slots is not None and len(slots) == 16
-    s.controller.start_loading()
-    m = s.tree.match_prefix(seq[:8] + toks(gen, 4, hi=3))
+    m = s.manager.match_prefix(seq[:8] + toks(gen, 4, hi=3))
     front = m.last_node
-    assert front.pending["load"] is node.pending["load"] and front.lock_ref == node.lock_ref
+    assert front.pending["load"] == node.pending["load"] and front.lock_ref == node.lock_ref
     assert front.host_ref == node.host_ref == 1
     s.drain()
     for n in (front, node):
@@ -184,19 +194,19 @@ def test_page_alignment(gen, make_stack, page_size):
     seq = toks(gen, 2 * P)
     slots = s.alloc.alloc(2 * P)
     with pytest.raises(InvalidArgumentError, match="whole pages"):
-        s.tree.insert(seq + [7], torch.cat([slots, slots[:1]]))
+        s.manager.insert(seq + [7], torch.cat([slots, slots[:1]]))
     with pytest.raises(InvalidArgumentError):
-        s.tree.insert(seq, slots[:-1])
-    assert not s.tree.root.children and s.tree.pending_ops() == 0
+        s.manager.insert(seq, slots[:-1])
+    assert not s.tree.root.children and s.manager.pending_ops() == 0
     s.alloc.free(slots)
     # Too short for one page: no match, no split, no storage lookup.
     assert s.put(seq) == 0
-    m = s.tree.match_prefix(seq[: P - 1])
+    m = s.manager.match_prefix(seq[: P - 1])
     assert m.device_hit_length == 0 and m.last_node is s.tree.root
     # A partial last page is never matched; the node is cut at the page boundary.
-    m = s.tree.match_prefix(seq[: 2 * P - 1])
+    m = s.manager.match_prefix(seq[: 2 * P - 1])
     assert m.device_hit_length == P and len(m.last_node) == P
-    m = s.tree.match_prefix(seq + toks(gen, P - 1))
+    m = s.manager.match_prefix(seq + toks(gen, P - 1))
     assert m.device_hit_length == 2 * P
     for n in walk(s.tree.root):
         assert len(n) % P == 0
@@ -215,12 +225,12 @@ def test_insert_returns_length_already_on_device(gen, make_stack):
     assert s.put(a[:4]) == 4
     s.drain()
     # Evict b to host: inserting a + b + c again adopts the caller's slots for b.
-    assert s.tree.evict_device(1) == 8
+    assert s.manager.evict_device(1) == 8
     nb = s.node(a + b)
     assert host_only(nb)
     slots = s.alloc.alloc(20)
     s.write_device(slots, a + b + c)
-    assert s.tree.insert(a + b + c, slots) == 8
+    assert s.manager.insert(a + b + c, slots) == 8
     s.alloc.free(slots[:8])
     assert nb.on_device and nb.on_host and torch.equal(nb.device, slots[8:16])
     assert torch.equal(s.node(a + b + c).device, slots[16:])
@@ -244,8 +254,8 @@ def test_device_policy_picks_the_victim(gen, make_stack, policy, expect_left):
         s.put(seqs[name])
     s.drain()
     for name in "bba":
-        s.tree.match_prefix(seqs[name])
-    s.tree.evict_device(16)
+        s.manager.match_prefix(seqs[name])
+    s.manager.evict_device(16)
     left = [name for name in "abc" if s.node(seqs[name]).on_device]
     assert left == [expect_left]
     check_invariants(s)
@@ -261,20 +271,20 @@ def test_overflow_moves_to_host_and_loads_back(gen, make_stack):
     s.drain()
     nodes = [s.node(q) for q in seqs]
     assert all(attached(s.tree, n) for n in nodes)
-    assert s.tree.device_tokens() <= 24
+    assert s.tree.device_tokens <= 24
     evicted = [n for n in nodes if host_only(n)]
-    assert evicted and s.tree.device_counters.evicted_tokens >= 60 - 24
+    assert evicted and s.manager.metrics.device.evicted_tokens >= 60 - 24
     check_data(s)
     victim = evicted[0]
     want = path_tokens(victim)
-    slots = s.tree.load_back(victim)
+    slots = s.manager.load_back(victim)
     assert slots is not None and torch.equal(slots, victim.device)
     assert victim.lock_ref == 1 and victim.host_ref == 1 and "load" in victim.pending
-    assert s.controller.start_loading() is not None
+    assert s.manager.load_slot(victim) is not None  # one layer-wise load job in flight
     s.drain()
     assert victim.lock_ref == 0 and victim.host_ref == 0 and not victim.pending
     s.assert_device(victim.device, want)
-    assert s.tree.load_back(victim).numel() == 0  # already on the device
+    assert s.manager.load_back(victim).numel() == 0  # already on the device
     check_invariants(s)
 
 
@@ -282,10 +292,10 @@ def test_load_back_chain_all_or_nothing(gen, make_stack):
     s = make_stack(device_pages=8, host_pages=32)
     a, b, c = toks(gen, 8), toks(gen, 4), toks(gen, 12)
     s.put(a + b + c)
-    s.tree.match_prefix(a + b)  # split a+b | c
-    s.tree.match_prefix(a)  # split a | b | c
+    s.manager.match_prefix(a + b)  # split a+b | c
+    s.manager.match_prefix(a)  # split a | b | c
     s.drain()
-    s.tree.evict_device(HUGE)
+    s.manager.evict_device(HUGE)
     chain = [s.node(a), s.node(a + b), s.node(a + b + c)]
     assert all(host_only(n) for n in chain)
     hosts = [n.host.clone() for n in chain]
@@ -294,37 +304,35 @@ def test_load_back_chain_all_or_nothing(gen, make_stack):
     d = toks(gen, 12)
     s.put(d)
     nd = s.node(d)
-    s.tree.inc_lock_ref(nd)
+    s.manager.inc_lock_ref(nd)
     s.drain()  # d's host copy lands first: load_back acknowledges finished copies as it goes
-    before = (s.alloc.available_size(), s.host.available_size(), s.tree.pending_ops())
-    assert s.tree.load_back(chain[-1]) is None
-    assert (s.alloc.available_size(), s.host.available_size(), s.tree.pending_ops()) == before
+    before = (s.alloc.available_size(), s.host.available_size(), s.manager.pending_ops())
+    assert s.manager.load_back(chain[-1]) is None
+    assert (s.alloc.available_size(), s.host.available_size(), s.manager.pending_ops()) == before
     for n, h in zip(chain, hosts, strict=True):
         assert host_only(n) and torch.equal(n.host, h)
         assert n.lock_ref == 0 and n.host_ref == 0 and not n.pending
-    assert s.controller.start_loading() is None  # no copy was queued
+    assert s.device_host.in_flight == 0  # no copy was submitted
     check_invariants(s)
     # Every device slot locked: not even the 8-token head comes back.
     e = toks(gen, 20)
     s.put(e)
-    s.tree.inc_lock_ref(s.node(e))
-    assert s.tree.load_back(chain[0]) is None and host_only(chain[0])
-    s.tree.dec_lock_ref(s.node(e))
+    s.manager.inc_lock_ref(s.node(e))
+    assert s.manager.load_back(chain[0]) is None and host_only(chain[0])
+    s.manager.dec_lock_ref(s.node(e))
     # e released: the 12-token chain a, b comes back whole and top-down (e makes room), c
     # stays on host.
-    slots = s.tree.load_back(chain[1])
+    slots = s.manager.load_back(chain[1])
     assert slots is not None and len(slots) == 12
     assert torch.equal(torch.cat([chain[0].device, chain[1].device]), slots)
     assert host_only(chain[2])
     assert nd.on_device and nd.lock_ref == 1
-    s.controller.start_loading()
     s.drain()
     s.assert_device(slots, a + b)
     # d released: c comes back on its own.
-    s.tree.dec_lock_ref(nd)
-    slots_c = s.tree.load_back(chain[2])
+    s.manager.dec_lock_ref(nd)
+    slots_c = s.manager.load_back(chain[2])
     assert slots_c is not None and len(slots_c) == 12
-    s.controller.start_loading()
     s.drain()
     s.assert_device(torch.cat([slots, slots_c]), a + b + c)
     check_invariants(s)
@@ -337,19 +345,18 @@ def test_load_back_keeps_the_device_parent(gen, make_stack):
     s = make_stack(device_pages=4, host_pages=16)
     p, c, x = toks(gen, 4), toks(gen, 4), toks(gen, 8)
     s.put(p + c)
-    s.tree.match_prefix(p)  # p | c
+    s.manager.match_prefix(p)  # p | c
     s.drain()
-    assert s.tree.evict_device(1) == 4  # c -> host only (p has a device child)
+    assert s.manager.evict_device(1) == 4  # c -> host only (p has a device child)
     s.put(x)
     s.put(toks(gen, 4))  # device full: p (oldest), x, and this one
     s.drain()
-    s.tree.match_prefix(x)
+    s.manager.match_prefix(x)
     np_, nc = s.node(p), s.node(p + c)
     assert s.alloc.available_size() == 0 and host_only(nc)
-    slots = s.tree.load_back(nc)
+    slots = s.manager.load_back(nc)
     assert slots is not None
     assert np_.on_device, "the chain's device parent was evicted to make room for it"
-    s.controller.start_loading()
     s.drain()
     s.assert_device(torch.cat([np_.device, slots]), p + c)
     check_invariants(s)
@@ -359,26 +366,26 @@ def test_host_eviction_drops_host_only_leaves(gen, make_stack):
     s = make_stack(device_pages=12, host_pages=16, storage=False)
     a, b, c = toks(gen, 8), toks(gen, 8), toks(gen, 8)
     s.put(a + b)
-    s.tree.match_prefix(a)  # a | b
+    s.manager.match_prefix(a)  # a | b
     s.put(c)
     s.drain()
-    s.tree.evict_device(1)  # LRU: c (inserted last, never hit) stays; b goes first
+    s.manager.evict_device(1)  # LRU: c (inserted last, never hit) stays; b goes first
     na, nb, nc = s.node(a), s.node(a + b), s.node(c)
     assert host_only(nb) and na.on_device
     # b is a host-only leaf: it leaves the tree; then a and c only lose their host copies.
-    assert s.tree.evict_host(HUGE) == 24
+    assert s.manager.evict_host(HUGE) == 24
     assert not attached(s.tree, nb) and nb.host is None
     assert na.on_device and not na.on_host and nc.on_device and not nc.on_host
     assert list(s.tree.root.children.values()) and len(list(walk(s.tree.root))) == 2
     assert s.host.available_size() == s.host0
-    assert s.tree.host_counters.dropped_tokens == 8
+    assert s.manager.metrics.host.dropped_tokens == 8
     check_invariants(s)
     # A host-only chain empties the tree from the leaves up.
     s.clear()
     s.put(a + b)
     s.drain()
-    s.tree.evict_device(HUGE)
-    assert s.tree.evict_host(HUGE) == 16 and not s.tree.root.children
+    s.manager.evict_device(HUGE)
+    assert s.manager.evict_host(HUGE) == 16 and not s.tree.root.children
     check_invariants(s)
 
 
@@ -387,22 +394,22 @@ def test_protected_host_nodes_keep_their_slots(gen, make_stack):
     a, b = toks(gen, 16), toks(gen, 16)
     s.put(a)
     s.drain()
-    s.tree.evict_device(HUGE)
+    s.manager.evict_device(HUGE)
     na = s.node(a)
-    s.tree.inc_host_ref(na)
+    s.manager.inc_host_ref(na)
     held = na.host.clone()
     # b's write-through copy needs a's host room; a is protected, so b's copy is skipped.
     s.put(b)
     s.drain()
     assert torch.equal(na.host, held) and attached(s.tree, na)
-    assert not s.node(b).on_host and s.tree.host_counters.writes_skipped == 1
-    assert s.tree.evict_host(HUGE) == 0
-    s.tree.dec_host_ref(na)
+    assert not s.node(b).on_host and s.manager.metrics.host.writes_skipped == 1
+    assert s.manager.evict_host(HUGE) == 0
+    s.manager.dec_host_ref(na)
     with pytest.raises(InvalidArgumentError):
-        s.tree.dec_host_ref(na)
+        s.manager.dec_host_ref(na)
     with pytest.raises(InvalidArgumentError):
-        s.tree.dec_lock_ref(na)
-    assert s.tree.evict_host(HUGE) == 16 and not attached(s.tree, na)
+        s.manager.dec_lock_ref(na)
+    assert s.manager.evict_host(HUGE) == 16 and not attached(s.tree, na)
     check_invariants(s)
 
 
@@ -414,7 +421,7 @@ def test_device_eviction_keeps_a_subtree_in_use(gen, make_stack, hold):
     a, b = toks(gen, 8), toks(gen, 8)
     s.put(a)
     s.drain()
-    assert s.tree.evict_host(1) == 8  # a: device only
+    assert s.manager.evict_host(1) == 8  # a: device only
     gate = threading.Event()
     if hold == "backup":
         real_set = s.storage.batch_set
@@ -425,26 +432,26 @@ def test_device_eviction_keeps_a_subtree_in_use(gen, make_stack, hold):
 
         s.storage.batch_set = slow_set
     s.put(a + b)
-    s.controller.wait_all()
-    s.tree.writing_check()  # b's host copy landed; its backup is now started
-    assert s.tree.evict_device(1) == 8  # b -> host only
+    s.manager.wait_all()
+    s.manager.poll()  # b's host copy landed; its backup is now started
+    assert s.manager.evict_device(1) == 8  # b -> host only
     na, nb = s.node(a), s.node(a + b)
     assert na.on_device and not na.on_host and host_only(nb)
     held = nb.host.clone()
     if hold == "host_ref":
         s.drain()
-        s.tree.inc_host_ref(nb)
+        s.manager.inc_host_ref(nb)
     else:
         assert "backup" in nb.pending
-    assert s.tree.evict_device(HUGE) == 0
+    assert s.manager.evict_device(HUGE) == 0
     assert na.on_device and attached(s.tree, nb) and torch.equal(nb.host, held)
     check_invariants(s)
     if hold == "host_ref":
-        s.tree.dec_host_ref(nb)
+        s.manager.dec_host_ref(nb)
     gate.set()
     s.drain()
     assert nb.in_storage
-    assert s.tree.evict_device(HUGE) == 8
+    assert s.manager.evict_device(HUGE) == 8
     assert not s.tree.root.children
     assert s.alloc.available_size() == s.device0 and s.host.available_size() == s.host0
 
@@ -459,22 +466,21 @@ def test_storage_hit_after_host_drop_and_prefetch(gen, make_stack):
     s.clear()
     assert not s.tree.root.children
     extra = toks(gen, 3)
-    m = s.tree.match_prefix(seq + extra)
+    m = s.manager.match_prefix(seq + extra)
     assert (m.device_hit_length, m.host_hit_length, m.storage_hit_length) == (0, 0, 20)
     assert m.storage_keys == keys
-    assert s.tree.match_prefix(seq, check_storage=False).storage_hit_length == 0
-    op = s.tree.start_prefetch(m, seq + extra)
-    assert op is not None and s.tree.pending_ops() == 1
-    assert s.tree.finish_prefetch(op, None) == 20
-    assert s.tree.pending_ops() == 0
+    assert s.manager.match_prefix(seq, check_storage=False).storage_hit_length == 0
+    op = s.manager.prefetcher.start(m, seq + extra)
+    assert op is not None and s.manager.pending_ops() == 1
+    assert s.manager.prefetcher.finish(op, None) == 20
+    assert s.manager.pending_ops() == 0
     node = s.node(seq)
     assert host_only(node) and node.in_storage and node.host_ref == 0 and node.lock_ref == 0
     s.assert_host(node.host, seq)
     check_invariants(s)
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
     assert (m.host_hit_length, m.storage_hit_length) == (20, 0)
-    slots = s.tree.load_back(node)
-    s.controller.start_loading()
+    slots = s.manager.load_back(node)
     s.drain()
     s.assert_device(slots, seq)
     check_invariants(s)
@@ -484,24 +490,24 @@ def test_storage_hit_below_a_device_prefix(gen, make_stack):
     s = make_stack(device_pages=10, host_pages=16)
     a, b = toks(gen, 8), toks(gen, 12)
     s.put(a + b)
-    s.tree.match_prefix(a)  # a | b
+    s.manager.match_prefix(a)  # a | b
     s.drain()
     nb = s.node(a + b)
-    s.tree.evict_device(12)  # b -> host only
-    s.tree.evict_host(12)  # b leaves the tree; a loses its host copy
+    s.manager.evict_device(12)  # b -> host only
+    s.manager.evict_host(12)  # b leaves the tree; a loses its host copy
     assert not attached(s.tree, nb) and s.node(a).on_device
-    m = s.tree.match_prefix(a + b)
+    m = s.manager.match_prefix(a + b)
     assert (m.device_hit_length, m.host_hit_length, m.storage_hit_length) == (8, 0, 12)
     assert m.storage_keys == s.keys_of(a + b)[2:]
-    assert s.tree.finish_prefetch(s.tree.start_prefetch(m, a + b), None) == 12
+    assert s.manager.prefetcher.finish(s.manager.prefetcher.start(m, a + b), None) == 12
     nb = s.node(a + b)
     assert host_only(nb) and nb.parent is s.node(a)
     s.assert_host(nb.host, a + b, "prefetched")
     check_invariants(s)
     # A page missing from the middle of the chain ends the storage hit there.
-    s.tree.evict_host(HUGE)
+    s.manager.evict_host(HUGE)
     s.storage.delete([s.keys_of(a + b)[3]])
-    m = s.tree.match_prefix(a + b)
+    m = s.manager.match_prefix(a + b)
     assert m.storage_hit_length == 4
 
 
@@ -513,11 +519,11 @@ def test_prefetch_overlapping_an_insert(gen, make_stack):
     s.put(seq)
     s.drain()
     s.clear()
-    m = s.tree.match_prefix(seq)
-    op = s.tree.start_prefetch(m, seq)
+    m = s.manager.match_prefix(seq)
+    op = s.manager.prefetcher.start(m, seq)
     assert op is not None
     s.put(seq[:8])  # meanwhile a request computes and inserts the first two pages
-    assert s.tree.finish_prefetch(op, None) == 12
+    assert s.manager.prefetcher.finish(op, None) == 12
     head, tail = s.node(seq[:8]), s.node(seq)
     assert tail.parent is head and host_only(tail) and head.on_device and head.on_host
     s.assert_host(tail.host, seq)
@@ -526,9 +532,9 @@ def test_prefetch_overlapping_an_insert(gen, make_stack):
     check_data(s)
     # The whole range already there: every prefetched slot goes back.
     s.clear()
-    op = s.tree.start_prefetch(s.tree.match_prefix(seq), seq)
+    op = s.manager.prefetcher.start(s.manager.match_prefix(seq), seq)
     s.put(seq)
-    assert s.tree.finish_prefetch(op, None) == 0
+    assert s.manager.prefetcher.finish(op, None) == 0
     s.drain()
     check_invariants(s)
 
@@ -540,10 +546,10 @@ def test_prefetch_limited_by_host_room(gen, make_stack):
     s.drain()
     s.clear()
     blocker = s.host.alloc(20)  # 3 of 8 host pages stay free
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
     assert m.storage_hit_length == 24
-    op = s.tree.start_prefetch(m, seq)
-    gained = s.tree.finish_prefetch(op, None)
+    op = s.manager.prefetcher.start(m, seq)
+    gained = s.manager.prefetcher.finish(op, None)
     assert 0 < gained <= 12 and gained % 4 == 0
     node = next(iter(s.tree.root.children.values()))
     assert tuple(seq[:gained]) == node.key
@@ -553,8 +559,8 @@ def test_prefetch_limited_by_host_room(gen, make_stack):
     s.host.free(blocker)
     s.clear()
     blocker = s.host.alloc(32)
-    assert s.tree.start_prefetch(s.tree.match_prefix(seq), seq) is None
-    assert s.tree.host_counters.writes_skipped >= 1
+    assert s.manager.prefetcher.start(s.manager.match_prefix(seq), seq) is None
+    assert s.manager.metrics.host.writes_skipped >= 1
     s.host.free(blocker)
     check_invariants(s)
 
@@ -565,8 +571,8 @@ def test_prefetch_with_timeout_zero_keeps_a_valid_prefix(gen, make_stack):
     s.put(seq)
     s.drain()
     s.clear()
-    m = s.tree.match_prefix(seq)
-    gained = s.tree.finish_prefetch(s.tree.start_prefetch(m, seq), 0)
+    m = s.manager.match_prefix(seq)
+    gained = s.manager.prefetcher.finish(s.manager.prefetcher.start(m, seq), 0)
     assert 0 <= gained <= 24 and gained % 4 == 0
     if gained:
         s.assert_host(s.node(seq[:gained]).host, seq[:gained])
@@ -583,9 +589,9 @@ def test_write_through_copies_on_insert_then_backs_up(gen, make_stack):
     node = s.node(seq)
     assert node.on_host and "write" in node.pending
     assert s.host.available_size() == s.host0 - 12
-    s.controller.wait_all()  # the copy landed, but nobody acknowledged it yet
+    s.manager.wait_all()  # the copy landed, but nobody acknowledged it yet
     assert s.storage.stats().sets == 0 and not node.in_storage
-    s.tree.check_all()  # acknowledgement starts the backup
+    s.manager.poll()  # acknowledgement starts the backup
     s.drain()
     assert node.in_storage and not node.pending and node.lock_ref == 0 and node.host_ref == 0
     s.assert_host(node.host, seq)
@@ -602,10 +608,10 @@ def test_write_through_selective_copies_on_second_hit(gen, make_stack):
     s.drain()
     node = s.node(seq)
     assert not node.on_host and s.host.available_size() == s.host0
-    s.tree.match_prefix(seq)
+    s.manager.match_prefix(seq)
     s.drain()
     assert not node.on_host
-    s.tree.match_prefix(seq + toks(gen, 2))
+    s.manager.match_prefix(seq + toks(gen, 2))
     assert node.on_host and "write" in node.pending
     s.drain()
     s.assert_host(node.host, seq)
@@ -618,9 +624,9 @@ def test_write_through_selective_threshold(gen, make_stack):
     seq = toks(gen, 8)
     s.put(seq)
     for _ in range(2):
-        s.tree.match_prefix(seq)
+        s.manager.match_prefix(seq)
     assert not s.node(seq).on_host
-    s.tree.match_prefix(seq)
+    s.manager.match_prefix(seq)
     s.drain()
     assert s.node(seq).on_host
     s.assert_host(s.node(seq).host, seq)
@@ -631,7 +637,7 @@ def test_write_back_copies_only_on_eviction(gen, make_stack):
     seq = toks(gen, 12)
     s.put(seq)
     for _ in range(3):
-        s.tree.match_prefix(seq)
+        s.manager.match_prefix(seq)
     s.drain()
     node = s.node(seq)
     assert not node.on_host and s.host.available_size() == s.host0
@@ -647,7 +653,7 @@ def test_write_back_copies_only_on_eviction(gen, make_stack):
         real_free(idx)
 
     s.alloc.free = spy_free
-    assert s.tree.evict_device(1) == 12
+    assert s.manager.evict_device(1) == 12
     s.alloc.free = real_free
     assert host_only(node)
     assert len(seen) == 1 and torch.equal(seen[0][0], dev_slots)
@@ -658,13 +664,13 @@ def test_write_back_copies_only_on_eviction(gen, make_stack):
     # Storage is written when the host copy goes.
     s.drain()
     assert s.storage.stats().sets == 0
-    assert s.tree.evict_host(HUGE) == 12 and not attached(s.tree, node)
+    assert s.manager.evict_host(HUGE) == 12 and not attached(s.tree, node)
     got = s.storage_kv(s.keys_of(seq))
     ek, ev = s.expected(seq)
     assert torch.equal(got[0], ek) and torch.equal(got[1], ev)
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
     assert m.storage_hit_length == 12
-    assert s.tree.finish_prefetch(s.tree.start_prefetch(m, seq), None) == 12
+    assert s.manager.prefetcher.finish(s.manager.prefetcher.start(m, seq), None) == 12
     s.assert_host(s.node(seq).host, seq)
     check_invariants(s)
 
@@ -716,12 +722,12 @@ def test_storage_exists_error_is_a_miss(gen, make_stack):
     s.drain()
     s.clear()
     s.storage.fail = {"exists"}
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
     assert m.storage_hit_length == 0 and m.storage_keys == []
-    assert s.tree.storage_errors == 1
-    assert s.tree.start_prefetch(m, seq) is None
+    assert s.manager.metrics.storage_errors == 1
+    assert s.manager.prefetcher.start(m, seq) is None
     s.storage.fail = set()
-    assert s.tree.match_prefix(seq).storage_hit_length == 8
+    assert s.manager.match_prefix(seq).storage_hit_length == 8
 
 
 def test_storage_get_error_is_a_miss(gen, make_stack):
@@ -730,14 +736,14 @@ def test_storage_get_error_is_a_miss(gen, make_stack):
     s.put(seq)
     s.drain()
     s.clear()
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
     assert m.storage_hit_length == 8
     s.storage.fail = {"get"}
-    op = s.tree.start_prefetch(m, seq)
+    op = s.manager.prefetcher.start(m, seq)
     assert op is not None
-    assert s.tree.finish_prefetch(op, None) == 0
-    assert s.tree.storage_errors >= 1 and s.controller.storage_errors >= 1
-    assert not s.tree.root.children and s.tree.pending_ops() == 0
+    assert s.manager.prefetcher.finish(op, None) == 0
+    assert s.manager.metrics.storage_errors >= 1
+    assert not s.tree.root.children and s.manager.pending_ops() == 0
     assert s.host.available_size() == s.host0
     check_invariants(s)
 
@@ -748,14 +754,14 @@ def test_prefetch_submit_error_is_a_miss(gen, make_stack, monkeypatch):
     s.put(seq)
     s.drain()
     s.clear()
-    m = s.tree.match_prefix(seq)
+    m = s.manager.match_prefix(seq)
 
     def broken(*a, **k):
         raise RuntimeError("queue gone")
 
-    monkeypatch.setattr(s.controller, "prefetch", broken)
-    assert s.tree.start_prefetch(m, seq) is None
-    assert s.tree.storage_errors == 1 and s.tree.pending_ops() == 0
+    monkeypatch.setattr(s.host_storage, "submit", broken)
+    assert s.manager.prefetcher.start(m, seq) is None
+    assert s.manager.metrics.storage_errors == 1 and s.manager.pending_ops() == 0
     assert s.host.available_size() == s.host0
     check_invariants(s)
 
@@ -770,11 +776,11 @@ def test_storage_set_error_is_counted_not_raised(gen, make_stack, policy):
     node = s.node(seq)
     s.clear()  # write_back: the backup runs (and fails) on host eviction
     assert not node.in_storage and not attached(s.tree, node)
-    assert s.tree.storage_errors + s.controller.storage_errors >= 1
-    assert s.tree.pending_ops() == 0
+    assert s.manager.metrics.storage_errors >= 1
+    assert s.manager.pending_ops() == 0
     assert s.alloc.available_size() == s.device0 and s.host.available_size() == s.host0
     s.storage.fail = set()
-    assert s.tree.match_prefix(seq).storage_hit_length == 0
+    assert s.manager.match_prefix(seq).storage_hit_length == 0
 
 
 def test_failed_device_to_host_copy_frees_the_host_slots(gen, make_stack, monkeypatch):
@@ -798,7 +804,7 @@ def test_failed_load_drops_device_copy_keeps_host(gen, make_stack, monkeypatch):
     a, b = toks(gen, 8), toks(gen, 8)
     s.put(a)
     s.drain()
-    s.tree.evict_device(HUGE)
+    s.manager.evict_device(HUGE)
     na = s.node(a)
     assert host_only(na)
 
@@ -806,19 +812,17 @@ def test_failed_load_drops_device_copy_keeps_host(gen, make_stack, monkeypatch):
         raise RuntimeError("load failed")
 
     monkeypatch.setattr(s.host, "load_to_device_per_layer", broken)
-    assert s.tree.load_back(na) is not None
-    s.controller.start_loading()
+    assert s.manager.load_back(na) is not None
     # Before the failure is acknowledged, a longer sequence goes in below the loading node.
     assert s.put(a + b) == 8
-    s.controller.wait_all()
-    s.tree.check_all()
-    assert s.tree.pending_ops() == 0 and na.lock_ref == 0 and na.host_ref == 0
+    s.manager.wait_all()
+    s.manager.poll()
+    assert s.manager.pending_ops() == 0 and na.lock_ref == 0 and na.host_ref == 0
     assert na.on_host
     check_invariants(s)
     # Without anything below it, a failed load leaves the node host-only.
-    s.tree.evict_device(HUGE)
-    s.tree.load_back(na)
-    s.controller.start_loading()
+    s.manager.evict_device(HUGE)
+    s.manager.load_back(na)
     s.drain()
     assert host_only(na) and s.alloc.available_size() == s.device0
     check_invariants(s)
@@ -836,25 +840,24 @@ def test_selective_write_keeps_the_matched_host_part(gen, make_stack):
     )
     p0, a = toks(gen, 8), toks(gen, 4)
     s.put(p0)
-    s.tree.match_prefix(p0)
-    s.tree.match_prefix(p0)  # second hit: p0 -> host (FIFO time 1)
+    s.manager.match_prefix(p0)
+    s.manager.match_prefix(p0)  # second hit: p0 -> host (FIFO time 1)
     s.put(p0 + a)
-    s.tree.match_prefix(p0 + a)
-    s.tree.match_prefix(p0 + a)  # a's second hit: a -> host (FIFO time 2)
+    s.manager.match_prefix(p0 + a)
+    s.manager.match_prefix(p0 + a)  # a's second hit: a -> host (FIFO time 2)
     s.drain()
-    s.tree.evict_device(HUGE)  # both host-only now
+    s.manager.evict_device(HUGE)  # both host-only now
     s.put(p0)  # p0 adopts device slots again
-    s.tree.evict_host(1)  # FIFO: p0's host copy goes, a stays host-only
+    s.manager.evict_host(1)  # FIFO: p0's host copy goes, a stays host-only
     na = s.node(p0 + a)
     assert host_only(na) and s.node(p0).on_device and not s.node(p0).on_host
     blocker = s.host.alloc(4)  # host full: p0's selective write needs a's room
-    m = s.tree.match_prefix(p0 + a)
+    m = s.manager.match_prefix(p0 + a)
     assert m.host_hit_length == 4 and m.last_node is na
     assert attached(s.tree, na) and na.on_host, "the match's host part was evicted"
     s.drain()
-    slots = s.tree.load_back(m.last_node)
+    slots = s.manager.load_back(m.last_node)
     assert slots is not None
-    s.controller.start_loading()
     s.drain()
     s.assert_device(torch.cat([m.device_indices, slots]), p0 + a)
     check_invariants(s, outside_host=4)
@@ -899,13 +902,6 @@ class Driver:
             return seq
         return toks(self.gen, rng.randint(1, 4 * self.P), hi=8)
 
-    def start_loading(self) -> None:
-        # Three load batches may be in flight (LayerDoneCounter's slots); a fourth waits.
-        lc = self.s.controller.layer_done_counter
-        if not lc.slot_done((lc.producer + 1) % lc.num_slots):
-            self.s.controller.wait_all()
-        self.s.controller.start_loading()
-
     def check_match(self, seq, m) -> None:
         tree = self.s.tree
         assert attached(tree, m.last_node) or m.last_node is tree.root
@@ -927,7 +923,7 @@ class Driver:
 
     def step(self) -> None:
         s, rng = self.s, self.rng
-        tree = s.tree
+        tree = s.manager
         r = rng.random()
         if r < 0.25:
             seq = self.new_seq()
@@ -938,9 +934,9 @@ class Driver:
             m = tree.match_prefix(seq)
             self.check_match(seq, m)
             if m.storage_hit_length and rng.random() < 0.8:
-                op = tree.start_prefetch(m, seq)
+                op = tree.prefetcher.start(m, seq)
                 if op is not None:
-                    tree.finish_prefetch(op, rng.choice([None, None, 0]))
+                    tree.prefetcher.finish(op, rng.choice([None, None, 0]))
         elif r < 0.58:
             if len(self.locks) >= 3:
                 node, _ = self.locks.pop(0)
@@ -955,15 +951,14 @@ class Driver:
                     node = m.last_device_node
                 else:
                     assert len(slots) == m.host_hit_length
-                    self.start_loading()
-            if node is not tree.root:
+            if node is not s.tree.root:
                 tree.inc_lock_ref(node)
                 self.locks.append((node, per_token(node, "device")))
         elif r < 0.66 and self.locks:
             node, _ = self.locks.pop(rng.randrange(len(self.locks)))
             tree.dec_lock_ref(node)
         elif r < 0.72 and len(self.protects) < 3:
-            hosted = [n for n in walk(tree.root) if n.on_host]
+            hosted = [n for n in walk(s.tree.root) if n.on_host]
             if hosted:
                 node = rng.choice(hosted)
                 tree.inc_host_ref(node)
@@ -976,7 +971,7 @@ class Driver:
         elif r < 0.93:
             tree.evict_host(rng.randint(1, 6) * self.P)
         elif r < 0.97:
-            tree.check_all()
+            tree.poll()
         else:
             s.drain()
             check_data(s)
@@ -1001,9 +996,9 @@ class Driver:
     def finish(self) -> None:
         s, tree = self.s, self.s.tree
         for node, _ in self.locks:
-            tree.dec_lock_ref(node)
+            s.manager.dec_lock_ref(node)
         for node, _ in self.protects:
-            tree.dec_host_ref(node)
+            s.manager.dec_host_ref(node)
         self.locks, self.protects = [], []
         s.drain()
         check_invariants(s)
@@ -1012,7 +1007,7 @@ class Driver:
             assert n.lock_ref == 0 and n.host_ref == 0 and not n.pending
         s.clear()
         assert not tree.root.children
-        assert tree.pending_ops() == 0
+        assert s.manager.pending_ops() == 0
         assert s.alloc.available_size() == s.device0
         assert s.host.available_size() == s.host0
         assert not tree.device_policy._state and not tree.host_policy._state

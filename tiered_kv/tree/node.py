@@ -1,21 +1,23 @@
-"""The page-aligned prefix tree under :class:`TieredRadixCache`: nodes, matching and splitting.
+"""TreeNode and the page-aligned key helpers of the prefix tree.
 
 A node owns a run of whole pages of tokens (``key``, a tuple of token ids) and records where
 that run's KV lives: ``device`` (device slot indices) and ``host`` (host slot indices), each a
 tensor as long as the key or ``None``, and ``in_storage``. ``digests`` holds the storage chain
 digest of each page (continuing from the parent's last page). Children are keyed by their first
 page. ``lock_ref`` (device) and ``host_ref`` (host) count users of the node and its ancestors.
-Splitting a node cuts every per-token and per-page field at the same page boundary, so device,
-host, digest and pending-copy state stay consistent.
+``pending`` maps each kind of copy in flight that touches the node to its job id.
+
+Nodes are plain records: only :class:`TieredTree` changes their fields, so the tree's residency
+counters stay exact.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from tiered_kv.names import JobId, PageDigest, PendingKind
 
 _IDS = itertools.count(1)
 
@@ -45,12 +47,11 @@ class TreeNode:
         self.children: dict[tuple, TreeNode] = {}
         self.device: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
-        self.digests: list[bytes] = []
+        self.digests: list[PageDigest] = []
         self.in_storage = False
         self.lock_ref = 0
         self.host_ref = 0
-        # In-flight copies touching this node: {"write": op, "load": op, "backup": op}.
-        self.pending: dict[str, Any] = {}
+        self.pending: dict[PendingKind, JobId] = {}
         self.hit_count = 0
         self.stale = False  # device copy from a failed load: dropped once nothing holds it
 
@@ -69,6 +70,10 @@ class TreeNode:
     @property
     def on_host(self) -> bool:
         return self.host is not None
+
+    @property
+    def attached(self) -> bool:
+        return self.parent is not None
 
     def last_digest(self) -> bytes:
         return self.digests[-1] if self.digests else b""
@@ -97,33 +102,6 @@ def common_pages(a: tuple, b: tuple, page_size: int) -> int:
     return i - i % page_size
 
 
-def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
-    """Cut ``node`` after ``at`` tokens (a whole number of pages, 0 < at < len(node)); returns
-    the new parent holding the front part. ``node`` keeps the rest and its children."""
-    parent = node.parent
-    assert parent is not None and 0 < at < len(node.key) and at % page_size == 0
-    front = TreeNode(node.key[:at], parent)
-    front.device = node.device[:at] if node.device is not None else None
-    front.host = node.host[:at] if node.host is not None else None
-    pages = at // page_size
-    front.digests = node.digests[:pages]
-    front.in_storage = node.in_storage
-    front.lock_ref = node.lock_ref
-    front.host_ref = node.host_ref
-    front.pending = dict(node.pending)
-    front.hit_count = node.hit_count
-    for op in node.pending.values():
-        op.nodes.append(front)
-    node.key = node.key[at:]
-    node.device = node.device[at:] if node.device is not None else None
-    node.host = node.host[at:] if node.host is not None else None
-    node.digests = node.digests[pages:]
-    parent.children[first_page(front.key, page_size)] = front
-    front.children[first_page(node.key, page_size)] = node
-    node.parent = front
-    return front
-
-
 def path_to_root(node: TreeNode):
     """``node`` and its ancestors, excluding the root."""
     while node.parent is not None:
@@ -138,14 +116,3 @@ def walk(root: TreeNode):
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
-
-
-@dataclass
-class PendingOp:
-    """A copy in flight that touches tree nodes (write, load, backup or prefetch)."""
-
-    kind: str
-    nodes: list[TreeNode]
-    lock_node: TreeNode | None = None
-    handle: Any = None
-    extra: Any = None

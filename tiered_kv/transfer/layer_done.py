@@ -14,17 +14,15 @@ from __future__ import annotations
 import threading
 
 from tiered_kv._checks import check_positive_int
-from tiered_kv.copy_streams import CopyEvent
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.transfer.streams import CopyEvent
 
 
 class LayerDoneCounter:
     def __init__(self, num_layers: int, num_slots: int = 3) -> None:
         self.num_layers = check_positive_int("num_layers", num_layers)
         self.num_slots = check_positive_int("num_slots", num_slots)
-        self._events: list[list[CopyEvent | None]] = [
-            [None] * num_layers for _ in range(num_slots)
-        ]
+        self._events: list[list[CopyEvent | None]] = [[None] * num_layers for _ in range(num_slots)]
         self._producer = -1
         self._consumer: int | None = None
         self._lock = threading.Lock()
@@ -41,6 +39,18 @@ class LayerDoneCounter:
         """Whether every layer event recorded in ``slot`` has completed (never blocks)."""
         self._check_slot(slot)
         return all(e is None or e.query() for e in self._events[slot])
+
+    def next_producer(self) -> int:
+        """The slot the next ``update_producer`` takes."""
+        return (self._producer + 1) % self.num_slots
+
+    def next_producer_free(self) -> bool:
+        """Whether the next slot's copies have all completed, so ``update_producer`` will not
+        refuse it (never blocks)."""
+        return self.slot_done(self.next_producer())
+
+    def consumer_is(self, slot: int | None) -> bool:
+        return self._consumer == slot
 
     def update_producer(self) -> int:
         """Take the next slot for a new load batch and clear its events. Raises StateError if

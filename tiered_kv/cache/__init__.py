@@ -1,0 +1,7 @@
+"""The cache: the manager that turns tree decisions into frees and transfer jobs, the request
+lifecycle, the ``TieredKVCache`` facade, its builder and its metrics."""
+
+from tiered_kv.cache.facade import Request, TieredKVCache
+from tiered_kv.cache.manager import CacheManager, PrefixMatch
+
+__all__ = ["CacheManager", "PrefixMatch", "Request", "TieredKVCache"]

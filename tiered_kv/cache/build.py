@@ -1,0 +1,133 @@
+"""build_cache_parts: every component a :class:`TieredKVCache` runs on, built from its config.
+
+The device pool (MHA or MLA) and its paged allocator, the request rows, the host pool from the
+device pool's declaration (with the host section's own options), the LMDB store under its
+namespace (with the storage section's own options), one transfer-stats object shared by both
+transfer workers, the tree and the manager. A failure part way closes what was built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from tiered_kv.cache.manager import CacheManager
+from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
+from tiered_kv.device.kv_cache import KVCache
+from tiered_kv.device.mha_pool import MHATokenToKVPool
+from tiered_kv.device.mla_pool import MLATokenToKVPool
+from tiered_kv.device.req_to_token_pool import ReqToTokenPool
+from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
+from tiered_kv.names import ModelKind
+from tiered_kv.storage import LMDBStorage, StorageNamespace
+from tiered_kv.transfer.device_host import DeviceHostTransfer
+from tiered_kv.transfer.host_storage import HostStorageTransfer
+from tiered_kv.tree.tiered_tree import TieredTree
+
+
+class CacheParts(NamedTuple):
+    device_pool: KVCache
+    allocator: PagedTokenToKVPoolAllocator
+    req_to_token: ReqToTokenPool
+    host_pool: HostKVCache | None
+    storage: LMDBStorage | None
+    device_host: DeviceHostTransfer | None
+    host_storage: HostStorageTransfer | None
+    manager: CacheManager
+
+
+def device_pool_for(c: TieredKVConfig) -> KVCache:
+    g, d = c.geometry, c.device
+    device = torch.device(d.device)
+    if g.model == ModelKind.MHA:
+        return MHATokenToKVPool(
+            d.device_tokens,
+            d.page_size,
+            g.torch_dtype,
+            g.head_num,
+            g.head_dim,
+            g.num_layers,
+            device,
+            v_head_dim=g.v_head_dim,
+        )
+    return MLATokenToKVPool(
+        d.device_tokens,
+        d.page_size,
+        g.torch_dtype,
+        g.kv_lora_rank,
+        g.qk_rope_head_dim,
+        g.num_layers,
+        device,
+    )
+
+
+def build_cache_parts(c: TieredKVConfig) -> CacheParts:
+    d, h, s, p = c.device, c.host, c.storage, c.policies
+    pool = device_pool_for(c)
+    allocator = PagedTokenToKVPoolAllocator(
+        d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool
+    )
+    rows = ReqToTokenPool(d.max_requests, d.max_context_len, torch.device(d.device))
+    metrics = CacheMetrics()
+    host_pool = storage = namespace = device_host = host_storage = None
+    opened: list = []
+    try:
+        if h.host_tokens:
+            (decl,) = pool.host_pool_decls()
+            host_pool = host_pool_for(
+                decl,
+                allocator,
+                layout=h.host_layout,
+                size_tokens=h.host_tokens,
+                pin=h.pin,
+                reserve_bytes=h.reserve_bytes,
+                kernel_backend=h.kernel_backend,
+            )
+            device_host = DeviceHostTransfer(
+                allocator, host_pool, io_backend=h.io_backend, stats=metrics.transfer
+            )
+            opened.append(device_host)
+            if s.storage_bytes:
+                namespace = StorageNamespace.for_host_pool(host_pool, tenant=s.namespace_salt)
+                storage = LMDBStorage(
+                    c.storage_dir,
+                    namespace,
+                    host_pool.page_nbytes,
+                    budget_bytes=s.storage_bytes,
+                    durable=s.durable,
+                    hugepages=s.hugepages,
+                    io_threads=s.io_threads,
+                )
+                opened.append(storage)
+                host_storage = HostStorageTransfer(
+                    host_pool, storage, batch_pages=s.storage_batch_pages, stats=metrics.transfer
+                )
+                opened.append(host_storage)
+        tree = TieredTree(
+            d.page_size,
+            device_policy=p.device_policy,
+            host_policy=p.host_policy,
+            digests=storage is not None,
+        )
+        manager = CacheManager(
+            tree,
+            allocator,
+            host_pool,
+            device_host,
+            host_storage,
+            store=storage,
+            namespace=namespace,
+            write_policy=p.write_policy,
+            selective_hits=p.selective_hits,
+            metrics=metrics,
+        )
+    except BaseException:
+        for part in reversed(opened):
+            with contextlib.suppress(Exception):
+                part.close()
+        raise
+    return CacheParts(pool, allocator, rows, host_pool, storage, device_host, host_storage, manager)

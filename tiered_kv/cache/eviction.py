@@ -1,0 +1,99 @@
+"""Evictor: frees what the tree's victims hold, tier by tier, per the write policy.
+
+The tree chooses (``tree.victims``, in the tier policy's order); this acts. Device: a victim
+with a host copy only loses its device slots; under ``write_back`` a victim without one is
+copied to host first (waiting for the copy); otherwise it and everything below it leave the
+tree (when nothing there is locked or copying). Host: under ``write_back`` a victim not yet in
+storage is backed up first (waiting for the backup); a victim still on the device only loses its
+host copy, a host-only leaf leaves the tree. Under ``write_through`` host-only nodes go before
+the host copies of device-resident ones, so the tiers stay inclusive while they can.
+"""
+
+from __future__ import annotations
+
+from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, JobBook
+from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.names import PendingKind, Tier, WritePolicy
+from tiered_kv.tree.node import TreeNode
+from tiered_kv.tree.tiered_tree import TieredTree
+from tiered_kv.tree.victims import victims
+
+
+class Evictor:
+    def __init__(
+        self,
+        book: JobBook,
+        tree: TieredTree,
+        device: DeviceSlots,
+        host: HostSlots | None,
+        write_policy: WritePolicy,
+        metrics: CacheMetrics,
+    ) -> None:
+        self.book = book
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.write_policy = write_policy
+        self.metrics = metrics
+
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
+        self.book.poll()
+        freed, queue = 0, victims(self.tree, Tier.DEVICE)
+        while freed < num_tokens:
+            node = next(queue, None)
+            if node is None:
+                break
+            freed += self._device_one(node)
+        return freed
+
+    def _device_one(self, n: TreeNode) -> int:
+        size = len(n)
+        if not n.on_host and self.write_policy is WritePolicy.WRITE_BACK:
+            self.book.write_to_host(n, wait=True)
+        if n.on_host and PendingKind.WRITE not in n.pending:
+            self.device.free(self.tree.take_device(n))
+        elif self.tree.subtree_free(n):
+            released = self.tree.detach(n)
+            for slots in released.device:
+                self.device.free(slots)
+            for slots in released.host:
+                self.host.free(slots)
+            self.metrics.device.dropped_tokens += released.tokens
+        else:
+            return 0
+        self.metrics.device.evicted_tokens += size
+        self.metrics.device.evicted_nodes += 1
+        return size
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots if unprotected nodes allow; returns freed."""
+        if self.host is None:
+            return 0
+        self.book.poll()
+        rank = None
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            # Inclusive tiers: host-only nodes go first, the host copies of device-resident
+            # ones only when nothing else can.
+            def rank(n: TreeNode) -> int:
+                return 1 if n.on_device else 0
+
+        freed, queue = 0, victims(self.tree, Tier.HOST, rank)
+        while freed < num_tokens:
+            node = next(queue, None)
+            if node is None:
+                break
+            freed += self._host_one(node)
+        return freed
+
+    def _host_one(self, n: TreeNode) -> int:
+        size = len(n)
+        if self.write_policy is WritePolicy.WRITE_BACK and not n.in_storage:
+            self.book.backup_to_storage(n, wait=True)
+        leaves_tree = not n.on_device
+        self.host.free(self.tree.take_host(n))
+        if leaves_tree:
+            self.metrics.host.dropped_tokens += size
+        self.metrics.host.evicted_tokens += size
+        self.metrics.host.evicted_nodes += 1
+        return size

@@ -1,0 +1,288 @@
+"""TieredKVCache: the one object a serving loop calls.
+
+```
+cache = TieredKVCache(TieredKVConfig(...))
+req = cache.begin(prompt_tokens)        # match, prefetch from storage, load host hits (layer-wise)
+slots = cache.extend(req, n)            # device slots for the next n tokens (prefill)
+cache.write_kv(layer, slots, k, v)      # the model writes KV (through KVWriteLoc)
+slot = cache.decode(req, token)         # one more token
+cache.finish(req)                       # insert the sequence into the tree, release everything
+cache.stats(); cache.prometheus()
+```
+``req.prefix_len`` tokens of the prompt have KV on the device after ``begin`` (its slots are
+``req.slots[:req.prefix_len]``; layer i is readable once the layer-done counter says so, which
+the device pool's buffer getters wait for). At least the last prompt token is always left to
+compute, so the model has a position to produce logits from.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv.cache import lifecycle
+from tiered_kv.cache.build import build_cache_parts
+from tiered_kv.cache.lifecycle import PrefixGrant
+from tiered_kv.cache.metrics import RequestHits, prometheus_text
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.device.req_to_token_pool import RequestKV
+from tiered_kv.device.write_loc import KVWriteLoc
+from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.names import PrefetchPolicy
+from tiered_kv.tree.node import TreeNode
+
+
+@dataclass
+class Request:
+    tokens: list[int]  # tokens whose KV this request holds or is computing
+    kv: RequestKV
+    slots: torch.Tensor  # device slot per token in ``tokens``
+    prefix_len: int
+    hits: RequestHits
+    node: TreeNode  # deepest tree node locked for this request
+    load_slot: int | None = None  # layer-done counter slot of its host -> device load
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+    grant: PrefixGrant | None = None
+
+    @property
+    def row(self) -> int:
+        return self.kv.req_pool_idx
+
+
+class TieredKVCache:
+    def __init__(self, config: TieredKVConfig) -> None:
+        if not isinstance(config, TieredKVConfig):
+            raise InvalidArgumentError(
+                f"config must be a TieredKVConfig, got {type(config).__name__}"
+            )
+        self.config = config
+        parts = build_cache_parts(config)
+        self.device_pool = parts.device_pool
+        self.allocator = parts.allocator
+        self.req_to_token = parts.req_to_token
+        self.host_pool = parts.host_pool
+        self.storage = parts.storage
+        self.device_host = parts.device_host
+        self.host_storage = parts.host_storage
+        self.manager = parts.manager
+        self.tree = parts.manager.tree
+        self.metrics = parts.manager.metrics
+        self.hits = self.metrics.hits
+        self._closed = False
+        self._initial = self.free_sizes()
+
+    # -- request lifecycle --------------------------------------------------------------------
+    def begin(self, tokens) -> Request:
+        """Start a request for prompt ``tokens``: find its cached prefix on every tier, bring
+        storage hits to host (per the prefetch policy) and host hits to the device (layer by
+        layer), lock that prefix and give the request a row."""
+        self._check_open()
+        tokens = _token_ids(tokens)
+        if not tokens or len(tokens) > self.config.device.max_context_len:
+            raise InvalidArgumentError(
+                f"prompt of {len(tokens)} tokens; need 1..{self.config.device.max_context_len}"
+            )
+        kv = RequestKV()
+        if self.req_to_token.alloc([kv]) is None:
+            raise StateError(f"all {self.config.device.max_requests} request rows are in use")
+        try:
+            grant = lifecycle.begin(
+                self.manager,
+                tokens[:-1],  # the last prompt token is always computed
+                prompt_tokens=len(tokens),
+                prefetch_threshold=self.config.policies.prefetch_threshold,
+                prefetch_wait=self._prefetch_wait,
+            )
+        except BaseException:
+            self.req_to_token.free(kv.req_pool_idx)  # begin takes nothing it does not give back
+            raise
+        prefix = grant.prefix_len
+        req = Request(
+            tokens[:prefix], kv, grant.slots, prefix, grant.hits, grant.node, grant.load_slot
+        )
+        req.grant = grant
+        if prefix:
+            self.req_to_token.write(
+                (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)
+            )
+        kv.kv_allocated_len = prefix
+        self.hits.add(grant.hits)
+        return req
+
+    def prepare_forward(self, req: Request) -> None:
+        """Make the device pool's per-layer waits follow ``req``'s host -> device load.
+        ``begin`` does this for the request it starts; call it before the forward pass of an
+        earlier-begun request when several requests are begun before their forwards run."""
+        self._check_live(req)
+        if self.device_host is not None:
+            self.device_host.layer_done_counter.set_consumer(req.load_slot)
+
+    def _prefetch_wait(self, tokens: int) -> float | None:
+        policy = self.config.policies.prefetch_policy
+        if policy == PrefetchPolicy.WAIT_COMPLETE:
+            return None
+        if policy == PrefetchPolicy.TIMEOUT:
+            return self.config.prefetch_timeout_s(tokens)
+        return 0.0
+
+    def _alloc(self, req: Request, n: int, decode: bool) -> torch.Tensor | None:
+        a = self.allocator
+        length = len(req.tokens)
+        last = req.slots[-1:].to(torch.int64) if length else torch.tensor([-1])
+        if decode:
+            seq = torch.tensor([length + 1])
+            return a.alloc_decode(seq, seq, last)
+        pre, seq = torch.tensor([length]), torch.tensor([length + n])
+        return a.alloc_extend(pre, pre, seq, seq, last, n)
+
+    def extend(self, req: Request, tokens) -> torch.Tensor:
+        """Device slots for ``tokens`` appended to ``req`` (evicting unlocked device pages if
+        needed). Raises StateError when the device cannot hold them."""
+        self._check_live(req)
+        tokens = _token_ids(tokens)
+        n = len(tokens)
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if len(req.tokens) + n > self.config.device.max_context_len:
+            raise InvalidArgumentError(
+                f"request would hold {len(req.tokens) + n} tokens; max_context_len is "
+                f"{self.config.device.max_context_len}"
+            )
+        out = self._alloc(req, n, decode=False)
+        if out is None:
+            self.manager.make_device_room(n + self.config.device.page_size)
+            out = self._alloc(req, n, decode=False)
+        if out is None and self.manager.pending_ops():
+            # make_device_room waits for device <-> host copies only; a host -> storage backup
+            # in flight protects its node's ancestors too, and a device-only ancestor (its host
+            # copy evicted) cannot leave the device without dropping that node. Wait for
+            # everything in flight before calling the device full.
+            self.drain()
+            self.manager.make_device_room(n + self.config.device.page_size)
+            out = self._alloc(req, n, decode=False)
+        if out is None:
+            raise StateError(
+                f"device pool cannot hold {n} more tokens ({self.allocator.available_size()} "
+                f"free, {self.tree.evictable_device_tokens} evictable)"
+            )
+        start = len(req.tokens)
+        self.req_to_token.write((req.row, slice(start, start + n)), out.to(torch.int32))
+        req.tokens.extend(tokens)
+        req.slots = torch.cat([req.slots, out])
+        req.kv.kv_allocated_len = len(req.tokens)
+        return out
+
+    def decode(self, req: Request, token: int) -> torch.Tensor:
+        """The slot for one more token of ``req``."""
+        return self.extend(req, [token])
+
+    def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
+        """The model's KV for ``slots`` of global layer ``layer_id``."""
+        self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots), k, v)
+
+    def finish(self, req: Request) -> None:
+        """Insert ``req``'s whole pages into the tree and release the request: its duplicate
+        and partial-page slots are freed, its lock and row returned. A request whose prefix
+        load failed is aborted instead."""
+        self._check_live(req)
+        lifecycle.finish(self.manager, req.grant, req.tokens, req.slots)
+        self.req_to_token.free(req.row)
+        req.finished = True
+
+    def abort(self, req: Request) -> None:
+        """Release ``req`` without inserting anything it computed (a failed forward, a
+        cancelled request): its own slots are freed, its lock and row returned."""
+        self._check_live(req)
+        lifecycle.abort(self.manager, req.grant, req.slots)
+        self.req_to_token.free(req.row)
+        req.finished = True
+
+    def _check_live(self, req: Request) -> None:
+        self._check_open()
+        if not isinstance(req, Request) or req.finished:
+            raise StateError(f"request {req!r:.60} is finished or not from this cache")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this TieredKVCache is closed")
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Acknowledge finished copies (never blocks); a serving loop calls it every step."""
+        self.manager.poll()
+
+    def drain(self, timeout_s: float = 600.0) -> None:
+        """Wait for every copy and backup in flight and acknowledge them. Raises StateError
+        naming what is still in flight if that takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.manager.pending_ops():
+            before = self.manager.pending_ops()
+            self.manager.wait_all()
+            self.manager.poll()
+            if self.manager.pending_ops() >= before:
+                time.sleep(0.001)  # a storage thread is between its batch and its report
+            if self.manager.pending_ops() and time.monotonic() > deadline:
+                raise StateError(
+                    f"drain: {self.manager.pending_ops()} jobs still in flight after "
+                    f"{timeout_s} s ({self.manager.describe_pending()})"
+                )
+
+    def free_sizes(self) -> dict[str, int]:
+        out = {
+            "device": self.allocator.available_size(),
+            "rows": self.req_to_token.available_size(),
+        }
+        if self.host_pool is not None:
+            out["host"] = self.host_pool.available_size()
+        return out
+
+    def clear_tree(self) -> None:
+        """Evict every unlocked node from every tier (storage keeps its pages)."""
+        self.drain()
+        self.manager.evict_device(1 << 62)
+        self.drain()
+        self.manager.evict_host(1 << 62)
+        self.drain()
+
+    def stats(self) -> dict:
+        st = None
+        if self.storage is not None:
+            try:
+                st = self.storage.stats()
+            except Exception:  # noqa: BLE001 - a broken store reports no counters
+                st = None
+        occupancy = {
+            "device_tokens": self.tree.device_tokens,
+            "host_tokens": self.tree.host_tokens,
+        }
+        return self.metrics.render(st, occupancy)
+
+    def prometheus(self) -> str:
+        return prometheus_text(self.stats())
+
+    def close(self) -> None:
+        """Wait for the copies in flight, stop the background threads, close the store. Safe to
+        call twice; requests cannot begin, extend or finish afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            for worker in (self.device_host, self.host_storage):
+                if worker is not None:
+                    worker.close()
+            if self.storage is not None:
+                self.storage.close()
+
+
+def _token_ids(tokens) -> list[int]:
+    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor)."""
+    try:
+        return [operator.index(t) for t in tokens]
+    except TypeError as exc:
+        raise InvalidArgumentError(f"tokens must be integer ids: {exc}") from None

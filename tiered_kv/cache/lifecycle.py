@@ -1,0 +1,109 @@
+"""The request lifecycle over the manager, written once: begin, finish, abort.
+
+``begin`` finds a request's cached prefix on every tier, brings a storage hit to host (waiting
+per the prefetch policy), loads the host part back to the device (one layer-wise job), and locks
+that prefix; ``finish`` inserts the request's whole pages, frees its duplicate and partial-page
+slots and unlocks; ``abort`` frees its own slots and unlocks without inserting. The facade wraps
+request rows around these; the simulator calls them on its counting fakes, so both run the same
+decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tiered_kv.cache.manager import CacheManager
+from tiered_kv.cache.metrics import RequestHits
+from tiered_kv.tree.node import TreeNode
+
+
+@dataclass
+class PrefixGrant:
+    """What ``begin`` gave a request: its locked prefix and where it came from."""
+
+    node: TreeNode  # deepest tree node locked for the request
+    slots: torch.Tensor  # device slots of the prefix (its first ``len(slots)`` tokens)
+    hits: RequestHits
+    load_slot: int | None  # layer-done counter slot of its host -> device load
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.slots)
+
+
+def begin(
+    manager: CacheManager,
+    tokens,
+    *,
+    prompt_tokens: int,
+    prefetch_threshold: int = 1,
+    prefetch_wait: Callable[[int], float | None] = lambda tokens: None,
+) -> PrefixGrant:
+    """Lock the cached prefix of ``tokens`` on the device. A storage hit of at least
+    ``prefetch_threshold`` tokens is prefetched (waiting ``prefetch_wait(hit tokens)``
+    seconds, None: until done). When the device cannot take the host part, that part is
+    computed instead. ``prompt_tokens``: the request's prompt length (for the hit counts)."""
+    manager.poll()
+    m = manager.match_prefix(tokens)
+    hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
+    node = m.last_node
+    if m.storage_hit_length >= max(1, prefetch_threshold):
+        op = manager.prefetcher.start(m, tokens)
+        if op is not None:
+            gained = manager.prefetcher.finish(op, prefetch_wait(m.storage_hit_length))
+            if gained:
+                # A second look at this request's prefix: no second hit.
+                m2 = manager.match_prefix(tokens, check_storage=False, count_hit=False)
+                before = m.device_hit_length + m.host_hit_length
+                hits.storage = max(0, m2.device_hit_length + m2.host_hit_length - before)
+                m, node = m2, m2.last_node
+    slots, load_slot = m.device_indices, None
+    if not node.on_device and node.parent is not None:
+        loaded = manager.load_back(node)
+        if loaded is None:  # no device room: compute the host part instead
+            node = m.last_device_node
+            hits.host = hits.storage = 0
+        else:
+            slots = torch.cat([slots, loaded])
+            load_slot = manager.load_slot(node)
+    manager.inc_lock_ref(node)
+    prefix = len(slots)
+    hits.missed = prompt_tokens - prefix
+    hits.host = min(hits.host, prefix - hits.device)
+    return PrefixGrant(node, slots, hits, load_slot)
+
+
+def finish(
+    manager: CacheManager, grant: PrefixGrant, tokens, slots: torch.Tensor, *, poll: bool = True
+) -> bool:
+    """Insert ``tokens``' whole pages (their KV in ``slots``, the first ``grant.prefix_len`` of
+    them the grant's) and release the grant: duplicate and partial-page slots of the request
+    are freed, the lock returned. A request whose prefix load failed is aborted instead (the KV
+    it computed on top of garbage is not worth keeping). Returns whether it was inserted.
+    ``poll``: acknowledge finished jobs first (a failed load shows up as stale only then)."""
+    if poll:
+        manager.poll()
+    if manager.holds_stale(grant.node):
+        abort(manager, grant, slots)
+        return False
+    ps = manager.page_size
+    full = len(tokens) - len(tokens) % ps
+    dup = manager.insert(tokens[:full], slots[:full]) if full else 0
+    # The first ``prefix_len`` slots came from the tree: they are its, never ours to free.
+    if dup > grant.prefix_len:
+        manager.device.free(slots[grant.prefix_len : dup])
+    if full < len(tokens):
+        manager.device.free(slots[full:])
+    manager.dec_lock_ref(grant.node)
+    return True
+
+
+def abort(manager: CacheManager, grant: PrefixGrant, slots: torch.Tensor) -> None:
+    """Release ``grant`` without inserting anything: the request's own slots (after the
+    prefix) are freed, the lock returned."""
+    if len(slots) > grant.prefix_len:
+        manager.device.free(slots[grant.prefix_len :])
+    manager.dec_lock_ref(grant.node)

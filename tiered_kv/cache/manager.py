@@ -1,0 +1,411 @@
+"""CacheManager: turns the tree's decisions into frees and transfer jobs.
+
+The tree says which pages live where and which may go; the workers move bytes. The manager does
+everything in between: the write policies (``write_through`` backs every inserted node up to
+host at once, and host to storage when that copy lands; ``write_through_selective`` does so on a
+node's ``selective_hits``-th hit; ``write_back`` copies only on eviction, waiting for the copy
+before freeing), host -> device load-back (all or nothing per chain), host -> storage backups,
+allocation with eviction (it frees what the tree's victims held), and the storage probe: it is
+the only place that asks the store what it holds and builds page keys (``storage.keys``).
+
+Every job it submits is recorded with the node it locks and a completion handler; ``poll``
+delivers each result exactly once to its handler. Nothing is served from a destination before
+its ok result: a failed write frees its host slots, a failed load marks its device copies stale
+(freed once nothing holds them), a failed backup leaves the node out of storage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tiered_kv.cache.eviction import Evictor
+from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe
+from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
+from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.cache.prefetch import Prefetcher
+from tiered_kv.errors import IntegrityError, InvalidArgumentError
+from tiered_kv.names import Direction, JobId, PendingKind, WritePolicy, parse
+from tiered_kv.storage.keys import StorageNamespace, page_keys_of
+from tiered_kv.transfer.base import TransferJob, TransferResult
+from tiered_kv.tree.integrity import check_tree
+from tiered_kv.tree.node import TreeNode
+from tiered_kv.tree.tiered_tree import TieredTree
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class PrefixMatch(NamedTuple):
+    """A request's cached prefix on every tier (whole nodes; the tree was split to them)."""
+
+    device_indices: torch.Tensor  # device slots of the device-resident prefix
+    last_device_node: TreeNode
+    last_node: TreeNode  # deepest matched node (on device or host)
+    device_hit_length: int
+    host_hit_length: int  # tokens after the device part, on host
+    storage_hit_length: int  # tokens after the host part, in storage
+    storage_keys: list[bytes]
+
+
+@dataclass
+class _Job:
+    kind: PendingKind | Direction
+    lock_node: TreeNode | None
+    on_done: Callable[[_Job, TransferResult], None]
+    result: TransferResult | None = None
+
+
+class CacheManager:
+    def __init__(
+        self,
+        tree: TieredTree,
+        device: DeviceSlots,
+        host: HostSlots | None = None,
+        device_host: LoadWorker | None = None,
+        host_storage: StorageWorker | None = None,
+        *,
+        store: PageProbe | None = None,
+        namespace: StorageNamespace | None = None,
+        write_policy: str | WritePolicy = WritePolicy.WRITE_THROUGH,
+        selective_hits: int = 2,
+        metrics: CacheMetrics | None = None,
+    ) -> None:
+        self.write_policy = parse(WritePolicy, write_policy, "write_policy")
+        if host is not None and device_host is None:
+            raise InvalidArgumentError("a host tier needs a device <-> host transfer worker")
+        if host_storage is not None and (store is None or namespace is None or host is None):
+            raise InvalidArgumentError(
+                "a storage worker needs the store (to probe), its namespace and a host tier"
+            )
+        if host_storage is not None and not tree.digests:
+            raise InvalidArgumentError("a storage tier needs a tree built with digests=True")
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.device_host = device_host
+        self.host_storage = host_storage
+        self.store = store if host_storage is not None else None
+        self.namespace = namespace
+        self.selective_hits = selective_hits
+        self.metrics = metrics if metrics is not None else CacheMetrics()
+        self.page_size = tree.page_size
+        self._ids = itertools.count(1)
+        self._jobs: dict[JobId, _Job] = {}
+        self.prefetcher = Prefetcher(self, tree, host, host_storage, self.metrics)
+        self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
+        self._device0 = device.available_size()
+        self._host0 = host.available_size() if host is not None else 0
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def new_job(self, kind, lock_node: TreeNode | None, on_done) -> JobId:
+        job_id = JobId(next(self._ids))
+        self._jobs[job_id] = _Job(kind, lock_node, on_done)
+        return job_id
+
+    def fail_job(self, job_id: JobId, direction: Direction, error: str | None) -> None:
+        """Deliver a failed result for a job its worker refused."""
+        self._deliver(TransferResult(job_id, direction, False, 0, 0.0, error=error))
+
+    def submit_storage(self, job: TransferJob) -> bool:
+        """Submit a storage job; a refusal or a worker that raises is a failed result (a
+        counted storage error), never an exception in the serving path."""
+        try:
+            if self.host_storage.submit(job):
+                return True
+            error = "storage worker refused the job"
+        except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
+            error = f"{type(exc).__name__}: {exc}"
+        self.fail_job(job.job_id, job.direction, error)
+        return False
+
+    def pending_ops(self) -> int:
+        return len(self._jobs)
+
+    def describe_pending(self) -> str:
+        """The jobs in flight by kind, e.g. ``write: 2, backup: 1``."""
+        kinds: dict[str, int] = {}
+        for job in self._jobs.values():
+            kinds[str(job.kind)] = kinds.get(str(job.kind), 0) + 1
+        return ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "none"
+
+    def poll(self) -> None:
+        """Acknowledge every finished job (never blocks): device <-> host first, then storage."""
+        for worker in (self.device_host, self.host_storage):
+            if worker is not None:
+                for result in worker.poll():
+                    self._deliver(result)
+
+    def _deliver(self, result: TransferResult) -> None:
+        job = self._jobs.pop(result.job_id)
+        if result.error is not None:
+            self.metrics.storage_errors += 1
+        job.result = result
+        job.on_done(job, result)
+
+    def wait_all(self) -> None:
+        """Block until every job in flight has finished (results still come from ``poll``)."""
+        for worker in (self.device_host, self.host_storage):
+            if worker is not None:
+                worker.wait(None)
+
+    def drain(self, max_rounds: int = 100_000) -> None:
+        """Wait for and acknowledge everything in flight, including the jobs acknowledging
+        starts (a landed write starts its backup)."""
+        for _ in range(max_rounds):
+            if not self._jobs:
+                return
+            self.wait_all()
+            self.poll()
+
+    # -- locks ----------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        self.tree.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Unlock; stale device copies (from failed loads) nothing holds any more are freed."""
+        for slots in self.tree.dec_lock_ref(node):
+            self.device.free(slots)
+
+    def inc_host_ref(self, node: TreeNode) -> None:
+        self.tree.inc_host_ref(node)
+
+    def dec_host_ref(self, node: TreeNode) -> None:
+        self.tree.dec_host_ref(node)
+
+    # -- matching and inserting -----------------------------------------------------------------
+    def match_prefix(
+        self, tokens, *, check_storage: bool = True, count_hit: bool = True
+    ) -> PrefixMatch:
+        """Where the longest cached page-aligned prefix of ``tokens`` lives, on every tier.
+        Splits the tree at the match's end; counts a hit on every matched node unless
+        ``count_hit`` is False (a second look at the same request's prefix), which may start
+        selective write-throughs; probes storage for the pages after the tree's match."""
+        probe = check_storage and self.store is not None
+        m = self.tree.match(tokens, probe=probe)
+        last_dev, last = self.tree.node_at(m)
+        if count_hit:
+            path = self.tree.touch(last)
+            if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                self._selective_writes(path, last_dev, last)
+        storage_len, storage_keys = 0, []
+        if probe and m.probe_digests:
+            keys = page_keys_of(self.namespace, m.probe_digests)
+            found = self.probe_storage(keys)
+            storage_keys = keys[:found]
+            storage_len = found * self.page_size
+        return PrefixMatch(
+            m.device_indices, last_dev, last, m.device_len, m.host_len, storage_len, storage_keys
+        )
+
+    def probe_storage(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` the store holds from the first; a store that raises is a
+        counted error and a miss."""
+        try:
+            return self.store.batch_exists(keys)
+        except Exception:  # noqa: BLE001 - storage trouble is a miss, never an error
+            self.metrics.storage_errors += 1
+            return 0
+
+    def _selective_writes(self, path: list[TreeNode], last_dev: TreeNode, last: TreeNode) -> None:
+        todo = [
+            n for n in path if n.on_device and not n.on_host and n.hit_count >= self.selective_hits
+        ]
+        if not todo:
+            return
+        # The host room for these copies must not come from this very match: protect its path
+        # (host part included) while they allocate.
+        self.inc_host_ref(last)
+        self.inc_lock_ref(last_dev)
+        try:
+            for n in todo:
+                self.write_to_host(n)
+        finally:
+            self.dec_lock_ref(last_dev)
+            self.dec_host_ref(last)
+
+    def insert(self, tokens, device_indices: torch.Tensor) -> int:
+        """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns how many
+        leading tokens were already on the device: the caller frees its own slots for those.
+        Under ``write_through`` the new node is backed up to host at once."""
+        dup, new = self.tree.insert(tokens, device_indices)
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            for node in new:
+                self.write_to_host(node)
+        return dup
+
+    # -- device -> host -------------------------------------------------------------------------
+    def write_to_host(self, node: TreeNode, wait: bool = False) -> bool:
+        """Back ``node`` up to host (its device slots locked until the copy lands). Returns
+        whether the node is on the host now (a copy in flight counts)."""
+        if self.host is None or node.on_host or PendingKind.WRITE in node.pending:
+            return node.on_host
+        host = self.alloc_host(len(node), protect=node)
+        if host is None:
+            self.metrics.host.writes_skipped += 1
+            return False
+        self.tree.set_host(node, host)
+        job_id = self.new_job(PendingKind.WRITE, node, self._write_done)
+        self.inc_lock_ref(node)
+        self.tree.begin_job(job_id, PendingKind.WRITE, [node])
+        if not self.device_host.submit(TransferJob.write(job_id, node.device, host)):
+            self.fail_job(job_id, Direction.DEVICE_TO_HOST, None)
+        elif wait:
+            self.device_host.wait([job_id])  # write_back: the device slots are freed next
+            self.poll()
+        return node.on_host
+
+    def _write_done(self, job: _Job, result: TransferResult) -> None:
+        self.dec_lock_ref(job.lock_node)
+        nodes = self.tree.end_job(result.job_id)
+        for n in nodes:
+            if not result.ok and n.host is not None:
+                self.host.free(self.tree.take_host(n))
+        if result.ok and self.write_policy is not WritePolicy.WRITE_BACK:
+            for n in nodes:
+                self.backup_to_storage(n)
+
+    # -- host -> device -------------------------------------------------------------------------
+    def load_back(self, node: TreeNode) -> torch.Tensor | None:
+        """Bring the host-only chain ending at ``node`` back to the device, all or nothing, as
+        one layer-wise load job. Returns the new device slots (top-down order), an empty tensor
+        if ``node`` is on the device, or None when the device cannot make room (nothing
+        changed). The caller should lock ``node`` while it uses it."""
+        chain, n = [], node
+        while n.parent is not None and not n.on_device:
+            chain.append(n)
+            n = n.parent
+        if not chain:
+            return _EMPTY
+        chain.reverse()
+        total = sum(len(c) for c in chain)
+        # Keep the chain's host pages and its device ancestors while the device makes room.
+        self.inc_host_ref(node)
+        self.inc_lock_ref(n)
+        try:
+            device = self.alloc_device(total)
+        finally:
+            self.dec_host_ref(node)
+            self.dec_lock_ref(n)
+        if device is None:
+            return None
+        job_id = self.new_job(PendingKind.LOAD, node, self._load_done)
+        pos = 0
+        for c in chain:
+            self.tree.set_device(c, device[pos : pos + len(c)])
+            pos += len(c)
+        self.tree.begin_job(job_id, PendingKind.LOAD, chain)
+        self.inc_lock_ref(node)
+        self.inc_host_ref(node)
+        host = torch.cat([c.host for c in chain])
+        if not self.device_host.submit(TransferJob.load(job_id, host, device)):
+            self.fail_job(job_id, Direction.HOST_TO_DEVICE, None)
+        return device
+
+    def load_slot(self, node: TreeNode) -> int | None:
+        """The layer-done slot of the load in flight into ``node`` (None if none)."""
+        job_id = node.pending.get(PendingKind.LOAD)
+        return self.device_host.load_slot(job_id) if job_id is not None else None
+
+    def _load_done(self, job: _Job, result: TransferResult) -> None:
+        for n in self.tree.end_job(result.job_id):
+            if not result.ok:
+                # The device copy of a failed load is garbage: it goes as soon as nothing holds
+                # it (deepest first, keeping device residency prefix-closed); the host copy stays.
+                self.tree.mark_stale(n)
+        self.dec_lock_ref(job.lock_node)
+        self.dec_host_ref(job.lock_node)
+
+    # -- host -> storage ------------------------------------------------------------------------
+    def backup_to_storage(self, node: TreeNode, wait: bool = False) -> None:
+        if (
+            self.host_storage is None
+            or node.in_storage
+            or node.host is None
+            or PendingKind.BACKUP in node.pending
+        ):
+            return
+        keys = page_keys_of(self.namespace, node.digests)
+        job_id = self.new_job(PendingKind.BACKUP, node, self._backup_done)
+        self.inc_host_ref(node)
+        self.tree.begin_job(job_id, PendingKind.BACKUP, [node])
+        if self.submit_storage(TransferJob.backup(job_id, keys, node.host)) and wait:
+            self.host_storage.wait([job_id])  # write_back: the host slots are freed next
+            self.poll()
+
+    def _backup_done(self, job: _Job, result: TransferResult) -> None:
+        self.dec_host_ref(job.lock_node)
+        for n in self.tree.end_job(result.job_id):
+            if result.ok:
+                self.tree.set_in_storage(n)
+
+    # -- allocation with eviction ---------------------------------------------------------------
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        if n == 0:
+            return _EMPTY
+        out = self.device.alloc(n)
+        if out is None:
+            self.make_device_room(n)
+            out = self.device.alloc(n)
+        return out
+
+    def alloc_host(self, n: int, protect: TreeNode | None = None) -> torch.Tensor | None:
+        """Host slots for ``n`` tokens, evicting host copies if needed (never ``protect``'s
+        path)."""
+        out = self.host.alloc(n)
+        if out is None:
+            if protect is not None:
+                self.inc_host_ref(protect)
+            try:
+                self.evict_host(n - self.host.available_size())
+            finally:
+                if protect is not None:
+                    self.dec_host_ref(protect)
+            out = self.host.alloc(n)
+        return out
+
+    def make_device_room(self, n: int) -> None:
+        """Evict until ``n`` device slots are free; if nodes held only by jobs in flight stand
+        in the way, wait for those jobs (the one place the manager blocks on a copy)."""
+        short = n - self.device.available_size()
+        if short <= 0:
+            return
+        self.evict_device(short)
+        short = n - self.device.available_size()
+        if short > 0 and self._jobs:
+            # Copies and storage backups in flight protect nodes (a backup protects its node's
+            # ancestors too); wait for them, acknowledge, and try again.
+            self.wait_all()
+            self.poll()
+            self.evict_device(short)
+
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
+        return self.evictor.evict_device(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots if unprotected nodes allow; returns freed."""
+        return self.evictor.evict_host(num_tokens)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def holds_stale(self, node: TreeNode) -> bool:
+        return self.tree.holds_stale(node)
+
+    def check_integrity(self, *, outside_device: int = 0, outside_host: int = 0) -> None:
+        """The tree's invariants (``tree.integrity``) and every slot accounted for: free + in
+        the tree + held outside it (``outside_*``: by requests or the caller) = what was free
+        when the manager was built. Raises IntegrityError with the counts."""
+        check_tree(self.tree, jobs=set(self._jobs))
+        tiers = [("device", self.device, self.tree.device_tokens, outside_device, self._device0)]
+        if self.host is not None:
+            tiers.append(("host", self.host, self.tree.host_tokens, outside_host, self._host0))
+        for name, pool, in_tree, outside, total in tiers:
+            free = pool.available_size()
+            if free + in_tree + outside != total:
+                raise IntegrityError(
+                    f"{name} slots leaked or double counted: {free} free + {in_tree} in tree + "
+                    f"{outside} held outside != {total} at construction"
+                )

@@ -1,0 +1,203 @@
+"""DeviceHostTransfer: device <-> host jobs on two copy streams, never blocking the submitter.
+
+- ``write`` jobs (device -> host, every layer) run on the write stream after an event recorded
+  on the compute stream: the KV being copied may have just been written by the model.
+- ``load`` jobs (host -> device) run on the load stream one layer at a time; each layer's event
+  goes into a fresh producer slot of the :class:`LayerDoneCounter`, which becomes the consumer,
+  so the device pool's buffer getters wait for exactly the layer they return.
+
+Results come from ``poll`` in submission order per stream (a later copy is never acknowledged
+before an earlier one on the same stream). A copy that raised is a failed result, never an
+exception in the caller; bytes and seconds per direction go into ``stats``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv._checks import check_index_tensor
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import Direction, IOBackend, JobId, parse
+from tiered_kv.transfer.base import TransferJob, TransferResult, TransferWorker
+from tiered_kv.transfer.layer_done import LayerDoneCounter
+from tiered_kv.transfer.stats import TransferStats
+from tiered_kv.transfer.streams import CopyEvent, make_copy_stream
+
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class _Copy:
+    job: TransferJob
+    events: list[CopyEvent]  # one (write) or one per layer (load)
+    nbytes: int
+    slot: int | None = None  # the layer-done counter slot of a load
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class DeviceHostTransfer(TransferWorker):
+    directions = (Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE)
+
+    def __init__(
+        self,
+        device_allocator,
+        host_pool,
+        *,
+        io_backend: str | IOBackend = IOBackend.KERNEL,
+        layer_slots: int = 3,
+        stats: TransferStats | None = None,
+    ) -> None:
+        self.device_pool = device_allocator.get_kvcache()
+        if host_pool.decl.device_pool is not self.device_pool:
+            raise InvalidArgumentError("host_pool does not mirror the allocator's device pool")
+        self.host_pool = host_pool
+        self.io_backend = parse(IOBackend, io_backend, "io_backend")
+        self.layer_ids = list(host_pool.decl.layer_ids)
+        self.layer_done_counter = LayerDoneCounter(len(self.layer_ids), layer_slots)
+        self.device_pool.register_layer_transfer_counter(self.layer_done_counter)
+        device = self.device_pool.device
+        self.write_stream = make_copy_stream("write", device)
+        self.load_stream = make_copy_stream("load", device)
+        self.stats = stats if stats is not None else TransferStats()
+        self._token_bytes = host_pool.page_nbytes // host_pool.page_size
+        self._writes: deque[_Copy] = deque()
+        self._loads: deque[_Copy] = deque()
+        self._by_id: dict[JobId, _Copy] = {}
+        self._slot_job: dict[int, _Copy] = {}
+        self._closed = False
+
+    # -- the contract ---------------------------------------------------------------------------
+    def submit(self, job: TransferJob) -> bool:
+        if self._closed:
+            return False
+        check_index_tensor(f"{job.direction}: host_indices", job.host_indices, _CPU)
+        check_index_tensor(
+            f"{job.direction}: device_indices", job.device_indices, self.device_pool.device
+        )
+        if len(job.host_indices) != len(job.device_indices):
+            raise InvalidArgumentError(
+                f"{job.direction}: {len(job.host_indices)} host slots for "
+                f"{len(job.device_indices)} device slots; they pair up one to one"
+            )
+        if job.job_id in self._by_id:
+            raise InvalidArgumentError(f"job_id={job.job_id} is already in flight")
+        if job.direction is Direction.DEVICE_TO_HOST:
+            copy = self._submit_write(job)
+        elif job.direction is Direction.HOST_TO_DEVICE:
+            copy = self._submit_load(job)
+        else:
+            raise InvalidArgumentError(
+                f"direction={job.direction!r} is not moved by this worker; it moves "
+                f"{', '.join(map(str, self.directions))}"
+            )
+        self._by_id[job.job_id] = copy
+        return True
+
+    def _submit_write(self, job: TransferJob) -> _Copy:
+        pool, host, io = self.device_pool, self.host_pool, self.io_backend.value
+        # Hazard: the model may have written this KV on the compute stream just now; the copy
+        # must not read the slots before that work is done.
+        after = self.write_stream.record_compute()
+
+        def run() -> None:
+            host.backup_from_device_all_layer(pool, job.host_indices, job.device_indices, io)
+
+        event = self.write_stream.submit(run, after)
+        copy = _Copy(job, [event], len(job.host_indices) * self._token_bytes)
+        self._writes.append(copy)
+        return copy
+
+    def _submit_load(self, job: TransferJob) -> _Copy:
+        counter = self.layer_done_counter
+        if not counter.next_producer_free():
+            # Hazard: the next producer slot still holds the layer events of a load in flight;
+            # taking it would make that load's readers wait on this load's copies instead.
+            holder = self._slot_job.get(counter.next_producer())
+            for e in holder.events if holder is not None else ():
+                _done_or_failed(e)
+        slot = counter.update_producer()
+        pool, host, io = self.device_pool, self.host_pool, self.io_backend.value
+        events = []
+        for local, layer_id in enumerate(self.layer_ids):
+
+            def run(layer_id: int = layer_id) -> None:
+                host.load_to_device_per_layer(
+                    pool, job.host_indices, job.device_indices, layer_id, io
+                )
+
+            event = self.load_stream.submit(run)
+            counter.record(slot, local, event)
+            events.append(event)
+        copy = _Copy(job, events, len(job.host_indices) * self._token_bytes, slot)
+        self._loads.append(copy)
+        self._slot_job[slot] = copy
+        counter.set_consumer(slot)
+        return copy
+
+    def load_slot(self, job_id: JobId) -> int | None:
+        """The layer-done counter slot of load ``job_id`` while it is in flight (None after)."""
+        copy = self._by_id.get(job_id)
+        return copy.slot if copy is not None else None
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        for ops in (self._writes, self._loads):
+            # Not waiting: only copies whose last event has completed are acknowledged.
+            while ops and ops[0].events[-1].query():
+                out.append(self._finish(ops.popleft()))
+        return out
+
+    def _finish(self, copy: _Copy) -> TransferResult:
+        ok = all(_done_or_failed(e) for e in copy.events)
+        seconds = sum(e.seconds() for e in copy.events)
+        direction = copy.job.direction
+        self.stats.add(direction, copy.nbytes, seconds, ok)
+        counter = self.layer_done_counter
+        if copy.slot is not None:
+            if self._slot_job.get(copy.slot) is copy:
+                del self._slot_job[copy.slot]
+            if not ok and counter.consumer_is(copy.slot):
+                # Readers must not keep hitting the failed load's error; the manager drops the
+                # device copies that load was filling.
+                counter.set_consumer(None)
+        del self._by_id[copy.job.job_id]
+        copy.finished.set()
+        return TransferResult(copy.job.job_id, direction, ok, copy.nbytes if ok else 0, seconds)
+
+    def wait(self, job_ids: Iterable[JobId] | None = None, timeout_s: float | None = None) -> bool:
+        # Device <-> host copies are short and cannot be abandoned half way: wait for each
+        # event (the timeout is not applied to a copy already running).
+        ids = list(self._by_id) if job_ids is None else list(job_ids)
+        for job_id in ids:
+            copy = self._by_id.get(job_id)
+            for e in copy.events if copy is not None else ():
+                _done_or_failed(e)
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._by_id)
+
+    def close(self) -> None:
+        """Finish what was submitted, stop the streams, unhook the layer counter."""
+        if self._closed:
+            return
+        self._closed = True
+        self.write_stream.close()
+        self.load_stream.close()
+        if self.device_pool.layer_transfer_counter is self.layer_done_counter:
+            self.device_pool.register_layer_transfer_counter(None)
+
+
+def _done_or_failed(event: CopyEvent) -> bool:
+    """Block until ``event`` is done; True when its job succeeded."""
+    try:
+        event.synchronize()
+    except Exception:  # noqa: BLE001 - a failed copy is reported by its result, not raised
+        return False
+    return True

@@ -1,0 +1,238 @@
+"""HostStorageTransfer: host <-> storage jobs on two background threads.
+
+- backup jobs (host -> storage) run on the backup thread, in batches of ``batch_pages``;
+- prefetch jobs (storage -> host) run on the prefetch thread, in batches, stopping at the first
+  page the store does not serve (a missing or corrupt page ends the usable prefix), so the host
+  pages after it are never written.
+
+Storage trouble (the store raising, a removed directory) becomes a failed result carrying the
+error, never an exception in the caller. ``cancel`` stops a job after its batch in progress;
+what it finished by then stays valid (``pages_done``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv._checks import check_index_tensor, check_positive_int
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import Direction, JobId
+from tiered_kv.storage.contract import PageStorage
+from tiered_kv.transfer.base import TransferJob, TransferResult, TransferWorker
+from tiered_kv.transfer.stats import TransferStats
+
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class _StorageCopy:
+    job: TransferJob
+    pages: list[int]  # host page numbers, in key order
+    pages_done: int = 0
+    ok: list[bool] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class HostStorageTransfer(TransferWorker):
+    directions = (Direction.HOST_TO_STORAGE, Direction.STORAGE_TO_HOST)
+
+    def __init__(
+        self,
+        host_pool,
+        storage: PageStorage,
+        *,
+        batch_pages: int = 32,
+        stats: TransferStats | None = None,
+    ) -> None:
+        self.host_pool = host_pool
+        self.storage = storage
+        self.page_size = host_pool.page_size
+        self.batch_pages = check_positive_int("storage_batch_pages", batch_pages)
+        self.stats = stats if stats is not None else TransferStats()
+        self._done: queue.SimpleQueue[_StorageCopy] = queue.SimpleQueue()
+        self._by_id: dict[JobId, _StorageCopy] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._queues = {d: queue.SimpleQueue() for d in self.directions}
+        runs = {
+            Direction.HOST_TO_STORAGE: self._run_backup,
+            Direction.STORAGE_TO_HOST: self._run_prefetch,
+        }
+        self._threads = [
+            threading.Thread(
+                target=self._worker,
+                args=(self._queues[d], runs[d]),
+                name=f"tiered-kv-{'backup' if d is Direction.HOST_TO_STORAGE else 'prefetch'}",
+                daemon=True,
+            )
+            for d in self.directions
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- the contract ---------------------------------------------------------------------------
+    def submit(self, job: TransferJob) -> bool:
+        if job.direction not in self.directions:
+            raise InvalidArgumentError(
+                f"direction={job.direction!r} is not moved by this worker; it moves "
+                f"{', '.join(map(str, self.directions))}"
+            )
+        pages = self._pages_of(job)
+        with self._lock:
+            if self._closed:
+                return False
+            if job.job_id in self._by_id:
+                raise InvalidArgumentError(f"job_id={job.job_id} is already in flight")
+            copy = _StorageCopy(job, pages)
+            self._by_id[job.job_id] = copy
+            self._queues[job.direction].put(copy)
+        return True
+
+    def _pages_of(self, job: TransferJob) -> list[int]:
+        host = check_index_tensor("host_indices", job.host_indices, _CPU)
+        p = self.page_size
+        if len(host) != job.num_pages * p:
+            raise InvalidArgumentError(
+                f"{job.num_pages} page keys need {job.num_pages * p} host slots, got {len(host)}"
+            )
+        rows = host.to(torch.int64).reshape(-1, p)
+        whole = rows - rows[:, :1] == torch.arange(p)
+        if not bool(whole.all()) or bool((rows[:, 0] % p).any()):
+            bad = rows[~(whole.all(dim=1) & (rows[:, 0] % p == 0))][:2].tolist()
+            raise InvalidArgumentError(
+                f"host_indices must be whole host pages (page * {p} + 0..{p - 1}, in order); "
+                f"got slot runs {bad}"
+            )
+        return (rows[:, 0] // p).tolist()
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        while True:
+            try:
+                copy = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            with self._lock:
+                del self._by_id[copy.job.job_id]
+            out.append(_result(copy))
+
+    def wait(self, job_ids: Iterable[JobId] | None = None, timeout_s: float | None = None) -> bool:
+        with self._lock:
+            ids = list(self._by_id) if job_ids is None else list(job_ids)
+            copies = [self._by_id.get(i) for i in ids]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for copy in copies:
+            if copy is None:
+                continue  # already delivered by poll
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not copy.done.wait(left):
+                return False
+        return True
+
+    def cancel(self, job_id: JobId) -> None:
+        with self._lock:
+            copy = self._by_id.get(job_id)
+        if copy is not None:
+            copy.cancelled = True
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join()
+
+    # -- the threads ----------------------------------------------------------------------------
+    def _worker(self, q: queue.SimpleQueue, run) -> None:
+        while True:
+            copy = q.get()
+            if copy is None:
+                return
+            try:
+                run(copy)
+            except Exception as exc:  # noqa: BLE001 - storage trouble is a failed result
+                copy.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                # Only now is the copy final (error, pages_done): then signal and report it.
+                copy.done.set()
+                self._done.put(copy)
+
+    def _run_backup(self, copy: _StorageCopy) -> None:
+        keys, pages, step = copy.job.keys, copy.pages, self.batch_pages
+        page_nbytes = self.host_pool.page_nbytes
+        for i in range(0, len(pages), step):
+            if copy.cancelled:
+                return
+            start = time.perf_counter()
+            ok = self.storage.batch_set(
+                list(keys[i : i + step]), self.host_pool, pages[i : i + step]
+            )
+            seconds = time.perf_counter() - start
+            written = sum(ok)
+            self.stats.add(
+                Direction.HOST_TO_STORAGE, written * page_nbytes, seconds, written == len(ok)
+            )
+            copy.ok.extend(ok)
+            copy.pages_done += written
+            copy.nbytes += written * page_nbytes
+            copy.seconds += seconds
+
+    def _run_prefetch(self, copy: _StorageCopy) -> None:
+        keys, pages, step = copy.job.keys, copy.pages, self.batch_pages
+        page_nbytes = self.host_pool.page_nbytes
+        for i in range(0, len(pages), step):
+            if copy.cancelled:
+                return
+            start = time.perf_counter()
+            batch = list(keys[i : i + step])
+            # Read only the leading pages the store holds: the host pages after the first
+            # missing one are left untouched (and no I/O is spent on pages that are dropped).
+            present = self.storage.batch_exists(batch)
+            ok = []
+            if present:
+                ok = self.storage.batch_get(batch[:present], self.host_pool, pages[i : i + present])
+            lead = next((j for j, hit in enumerate(ok) if not hit), len(ok))
+            seconds = time.perf_counter() - start
+            self.stats.add(Direction.STORAGE_TO_HOST, lead * page_nbytes, seconds)
+            copy.pages_done += lead
+            copy.nbytes += lead * page_nbytes
+            copy.seconds += seconds
+            if lead < len(batch):
+                return
+
+
+def _result(copy: _StorageCopy) -> TransferResult:
+    job = copy.job
+    if job.direction is Direction.HOST_TO_STORAGE:
+        ok = copy.error is None and len(copy.ok) == job.num_pages and all(copy.ok)
+    else:
+        ok = copy.error is None and copy.pages_done == job.num_pages
+    return TransferResult(
+        job.job_id,
+        job.direction,
+        ok,
+        copy.nbytes,
+        copy.seconds,
+        copy.pages_done,
+        job.num_pages,
+        copy.error,
+    )
