@@ -367,7 +367,7 @@ def test_extend_waits_for_backups_that_pin_the_device(make_cache, gen, monkeypat
     monkeypatch.setattr(cache.storage, "batch_set", blocked)
     req = model.serve(a, decode=3)  # A2, the page after A: device, host, backup blocked
     assert req.hits.device == 36
-    cache.manager.wait_all()
+    cache.device_host.wait()  # device <-> host copies only; the backup stays blocked
     cache.poll()
     assert cache.manager.pending_ops() == 1  # A2's backup
     assert cache.free_sizes()["device"] == 0

@@ -432,7 +432,7 @@ def test_device_eviction_keeps_a_subtree_in_use(gen, make_stack, hold):
 
         s.storage.batch_set = slow_set
     s.put(a + b)
-    s.manager.wait_all()
+    s.device_host.wait()
     s.manager.poll()  # b's host copy landed; its backup is now started
     assert s.manager.evict_device(1) == 8  # b -> host only
     na, nb = s.node(a), s.node(a + b)
@@ -589,7 +589,7 @@ def test_write_through_copies_on_insert_then_backs_up(gen, make_stack):
     node = s.node(seq)
     assert node.on_host and "write" in node.pending
     assert s.host.available_size() == s.host0 - 12
-    s.manager.wait_all()  # the copy landed, but nobody acknowledged it yet
+    s.device_host.wait()  # the copy landed, but nobody acknowledged it yet
     assert s.storage.stats().sets == 0 and not node.in_storage
     s.manager.poll()  # acknowledgement starts the backup
     s.drain()
@@ -815,7 +815,7 @@ def test_failed_load_drops_device_copy_keeps_host(gen, make_stack, monkeypatch):
     assert s.manager.load_back(na) is not None
     # Before the failure is acknowledged, a longer sequence goes in below the loading node.
     assert s.put(a + b) == 8
-    s.manager.wait_all()
+    s.device_host.wait()
     s.manager.poll()
     assert s.manager.pending_ops() == 0 and na.lock_ref == 0 and na.host_ref == 0
     assert na.on_host

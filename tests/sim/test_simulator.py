@@ -418,7 +418,7 @@ def test_storage_needs_a_host_tier():
     sim = _sim(2, 0, None)
     assert sim.store is None and sim.transfer is None and sim.manager.store is None
     assert _sim(2, 2, 0).store is None and _sim(2, 2, 0).manager.store is None
-    assert _sim(2, 2, None).tree.storage is not None
+    assert _sim(2, 2, None).manager.store is not None
 
 
 @pytest.mark.parametrize(

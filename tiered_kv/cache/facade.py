@@ -228,7 +228,7 @@ class TieredKVCache:
             if self.manager.pending_ops() and time.monotonic() > deadline:
                 raise StateError(
                     f"drain: {self.manager.pending_ops()} jobs still in flight after "
-                    f"{timeout_s} s ({self.manager.describe_pending()})"
+                    f"{timeout_s} s ({self.manager.jobs.describe()})"
                 )
 
     def free_sizes(self) -> dict[str, int]:

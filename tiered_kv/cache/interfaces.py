@@ -7,12 +7,12 @@ these and nothing else. Each protocol states the contract the manager relies on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from tiered_kv.names import Direction, JobId
+from tiered_kv.names import JobId
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.node import TreeNode
 
@@ -80,14 +80,8 @@ class LoadWorker(TransferWorker, Protocol):
 
 @runtime_checkable
 class JobBook(Protocol):
-    """What the manager lends its helpers (eviction, prefetch): job records, locks that free
-    what they release, allocation with eviction, and the write policies' copies."""
-
-    def new_job(self, kind: object, lock_node: object, on_done: Callable) -> JobId: ...
-
-    def fail_job(self, job_id: JobId, direction: Direction, error: str | None) -> None: ...
-
-    def submit_storage(self, job: TransferJob) -> bool: ...
+    """What the manager lends its helpers (eviction, prefetch): acknowledging jobs, locks that
+    free what they release, allocation with eviction, and the write policies' copies."""
 
     def poll(self) -> None: ...
 

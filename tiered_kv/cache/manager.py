@@ -16,9 +16,6 @@ its ok result: a failed write frees its host slots, a failed load marks its devi
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -26,10 +23,11 @@ import torch
 from tiered_kv.cache.eviction import Evictor
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe
 from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
+from tiered_kv.cache.jobs import Job, JobTable
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.prefetch import Prefetcher
 from tiered_kv.errors import IntegrityError, InvalidArgumentError
-from tiered_kv.names import Direction, JobId, PendingKind, WritePolicy, parse
+from tiered_kv.names import Direction, PendingKind, WritePolicy, parse
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.integrity import check_tree
@@ -49,14 +47,6 @@ class PrefixMatch(NamedTuple):
     host_hit_length: int  # tokens after the device part, on host
     storage_hit_length: int  # tokens after the host part, in storage
     storage_keys: list[bytes]
-
-
-@dataclass
-class _Job:
-    kind: PendingKind | Direction
-    lock_node: TreeNode | None
-    on_done: Callable[[_Job, TransferResult], None]
-    result: TransferResult | None = None
 
 
 class CacheManager:
@@ -93,73 +83,23 @@ class CacheManager:
         self.selective_hits = selective_hits
         self.metrics = metrics if metrics is not None else CacheMetrics()
         self.page_size = tree.page_size
-        self._ids = itertools.count(1)
-        self._jobs: dict[JobId, _Job] = {}
-        self.prefetcher = Prefetcher(self, tree, host, host_storage, self.metrics)
+        self.jobs = JobTable(device_host, host_storage, self.metrics)
+        self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
         self._device0 = device.available_size()
         self._host0 = host.available_size() if host is not None else 0
 
     # -- jobs -----------------------------------------------------------------------------------
-    def new_job(self, kind, lock_node: TreeNode | None, on_done) -> JobId:
-        job_id = JobId(next(self._ids))
-        self._jobs[job_id] = _Job(kind, lock_node, on_done)
-        return job_id
-
-    def fail_job(self, job_id: JobId, direction: Direction, error: str | None) -> None:
-        """Deliver a failed result for a job its worker refused."""
-        self._deliver(TransferResult(job_id, direction, False, 0, 0.0, error=error))
-
-    def submit_storage(self, job: TransferJob) -> bool:
-        """Submit a storage job; a refusal or a worker that raises is a failed result (a
-        counted storage error), never an exception in the serving path."""
-        try:
-            if self.host_storage.submit(job):
-                return True
-            error = "storage worker refused the job"
-        except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
-            error = f"{type(exc).__name__}: {exc}"
-        self.fail_job(job.job_id, job.direction, error)
-        return False
-
-    def pending_ops(self) -> int:
-        return len(self._jobs)
-
-    def describe_pending(self) -> str:
-        """The jobs in flight by kind, e.g. ``write: 2, backup: 1``."""
-        kinds: dict[str, int] = {}
-        for job in self._jobs.values():
-            kinds[str(job.kind)] = kinds.get(str(job.kind), 0) + 1
-        return ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "none"
-
     def poll(self) -> None:
-        """Acknowledge every finished job (never blocks): device <-> host first, then storage."""
-        for worker in (self.device_host, self.host_storage):
-            if worker is not None:
-                for result in worker.poll():
-                    self._deliver(result)
-
-    def _deliver(self, result: TransferResult) -> None:
-        job = self._jobs.pop(result.job_id)
-        if result.error is not None:
-            self.metrics.storage_errors += 1
-        job.result = result
-        job.on_done(job, result)
+        """Acknowledge every finished job (never blocks)."""
+        self.jobs.poll()
 
     def wait_all(self) -> None:
-        """Block until every job in flight has finished (results still come from ``poll``)."""
-        for worker in (self.device_host, self.host_storage):
-            if worker is not None:
-                worker.wait(None)
+        """Block until every job in flight has finished (acknowledged by the next ``poll``)."""
+        self.jobs.wait_all()
 
-    def drain(self, max_rounds: int = 100_000) -> None:
-        """Wait for and acknowledge everything in flight, including the jobs acknowledging
-        starts (a landed write starts its backup)."""
-        for _ in range(max_rounds):
-            if not self._jobs:
-                return
-            self.wait_all()
-            self.poll()
+    def pending_ops(self) -> int:
+        return len(self.jobs)
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -248,17 +188,17 @@ class CacheManager:
             self.metrics.host.writes_skipped += 1
             return False
         self.tree.set_host(node, host)
-        job_id = self.new_job(PendingKind.WRITE, node, self._write_done)
+        job_id = self.jobs.new(PendingKind.WRITE, node, self._write_done)
         self.inc_lock_ref(node)
         self.tree.begin_job(job_id, PendingKind.WRITE, [node])
         if not self.device_host.submit(TransferJob.write(job_id, node.device, host)):
-            self.fail_job(job_id, Direction.DEVICE_TO_HOST, None)
+            self.jobs.fail(job_id, Direction.DEVICE_TO_HOST, None)
         elif wait:
             self.device_host.wait([job_id])  # write_back: the device slots are freed next
             self.poll()
         return node.on_host
 
-    def _write_done(self, job: _Job, result: TransferResult) -> None:
+    def _write_done(self, job: Job, result: TransferResult) -> None:
         self.dec_lock_ref(job.lock_node)
         nodes = self.tree.end_job(result.job_id)
         for n in nodes:
@@ -292,7 +232,7 @@ class CacheManager:
             self.dec_lock_ref(n)
         if device is None:
             return None
-        job_id = self.new_job(PendingKind.LOAD, node, self._load_done)
+        job_id = self.jobs.new(PendingKind.LOAD, node, self._load_done)
         pos = 0
         for c in chain:
             self.tree.set_device(c, device[pos : pos + len(c)])
@@ -302,7 +242,7 @@ class CacheManager:
         self.inc_host_ref(node)
         host = torch.cat([c.host for c in chain])
         if not self.device_host.submit(TransferJob.load(job_id, host, device)):
-            self.fail_job(job_id, Direction.HOST_TO_DEVICE, None)
+            self.jobs.fail(job_id, Direction.HOST_TO_DEVICE, None)
         return device
 
     def load_slot(self, node: TreeNode) -> int | None:
@@ -310,7 +250,7 @@ class CacheManager:
         job_id = node.pending.get(PendingKind.LOAD)
         return self.device_host.load_slot(job_id) if job_id is not None else None
 
-    def _load_done(self, job: _Job, result: TransferResult) -> None:
+    def _load_done(self, job: Job, result: TransferResult) -> None:
         for n in self.tree.end_job(result.job_id):
             if not result.ok:
                 # The device copy of a failed load is garbage: it goes as soon as nothing holds
@@ -329,14 +269,14 @@ class CacheManager:
         ):
             return
         keys = page_keys_of(self.namespace, node.digests)
-        job_id = self.new_job(PendingKind.BACKUP, node, self._backup_done)
+        job_id = self.jobs.new(PendingKind.BACKUP, node, self._backup_done)
         self.inc_host_ref(node)
         self.tree.begin_job(job_id, PendingKind.BACKUP, [node])
-        if self.submit_storage(TransferJob.backup(job_id, keys, node.host)) and wait:
+        if self.jobs.submit_storage(TransferJob.backup(job_id, keys, node.host)) and wait:
             self.host_storage.wait([job_id])  # write_back: the host slots are freed next
             self.poll()
 
-    def _backup_done(self, job: _Job, result: TransferResult) -> None:
+    def _backup_done(self, job: Job, result: TransferResult) -> None:
         self.dec_host_ref(job.lock_node)
         for n in self.tree.end_job(result.job_id):
             if result.ok:
@@ -375,7 +315,7 @@ class CacheManager:
             return
         self.evict_device(short)
         short = n - self.device.available_size()
-        if short > 0 and self._jobs:
+        if short > 0 and len(self.jobs):
             # Copies and storage backups in flight protect nodes (a backup protects its node's
             # ancestors too); wait for them, acknowledge, and try again.
             self.wait_all()
@@ -398,7 +338,7 @@ class CacheManager:
         """The tree's invariants (``tree.integrity``) and every slot accounted for: free + in
         the tree + held outside it (``outside_*``: by requests or the caller) = what was free
         when the manager was built. Raises IntegrityError with the counts."""
-        check_tree(self.tree, jobs=set(self._jobs))
+        check_tree(self.tree, jobs=self.jobs.ids())
         tiers = [("device", self.device, self.tree.device_tokens, outside_device, self._device0)]
         if self.host is not None:
             tiers.append(("host", self.host, self.tree.host_tokens, outside_host, self._host0))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tiered_kv.cache.interfaces import HostSlots, JobBook, TransferWorker
+from tiered_kv.cache.jobs import JobTable
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.names import Direction, JobId
 from tiered_kv.transfer.base import TransferJob, TransferResult
@@ -37,12 +38,14 @@ class Prefetcher:
     def __init__(
         self,
         book: JobBook,
+        jobs: JobTable,
         tree: TieredTree,
         host: HostSlots | None,
         worker: TransferWorker | None,
         metrics: CacheMetrics,
     ) -> None:
         self.book = book
+        self.jobs = jobs
         self.tree = tree
         self.host = host
         self.worker = worker
@@ -69,11 +72,11 @@ class Prefetcher:
             return None
         start = match.device_hit_length + match.host_hit_length
         key = self.tree.aligned(tokens)[: start + pages * ps]
-        job_id = self.book.new_job(Direction.STORAGE_TO_HOST, node, self._done)
+        job_id = self.jobs.new(Direction.STORAGE_TO_HOST, node, self._done)
         op = PrefetchOp(job_id, node, key, start, host)
         self._ops[job_id] = op
         job = TransferJob.prefetch(job_id, match.storage_keys[:pages], host)
-        if not self.book.submit_storage(job):
+        if not self.jobs.submit_storage(job):
             self._end(op)
             return None
         return op

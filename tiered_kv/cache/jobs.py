@@ -1,0 +1,99 @@
+"""JobTable: the manager's record of every transfer job in flight, and its delivery of results.
+
+Each job is recorded with the tree node it locks (or protects) and a completion handler; the
+table hands out job ids, submits storage jobs so that a refusal or a raising worker becomes a
+failed result (a counted storage error, never an exception on the serving path), and delivers
+each result from the workers' ``poll`` exactly once to its handler.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiered_kv.cache.interfaces import TransferWorker
+from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.names import Direction, JobId, PendingKind
+from tiered_kv.transfer.base import TransferJob, TransferResult
+from tiered_kv.tree.node import TreeNode
+
+
+@dataclass
+class Job:
+    kind: PendingKind | Direction
+    lock_node: TreeNode | None
+    on_done: Callable[[Job, TransferResult], None]
+
+
+class JobTable:
+    def __init__(
+        self,
+        device_host: TransferWorker | None,
+        host_storage: TransferWorker | None,
+        metrics: CacheMetrics,
+    ) -> None:
+        self.device_host = device_host
+        self.host_storage = host_storage
+        self.metrics = metrics
+        self._ids = itertools.count(1)
+        self._jobs: dict[JobId, Job] = {}
+
+    def new(
+        self,
+        kind: PendingKind | Direction,
+        lock_node: TreeNode | None,
+        on_done: Callable[[Job, TransferResult], None],
+    ) -> JobId:
+        """Record a job about to be submitted; ``on_done`` gets its result."""
+        job_id = JobId(next(self._ids))
+        self._jobs[job_id] = Job(kind, lock_node, on_done)
+        return job_id
+
+    def fail(self, job_id: JobId, direction: Direction, error: str | None) -> None:
+        """Deliver a failed result for a job its worker refused."""
+        self.deliver(TransferResult(job_id, direction, False, 0, 0.0, error=error))
+
+    def submit_storage(self, job: TransferJob) -> bool:
+        """Submit a storage job; a refusal or a worker that raises is a failed result."""
+        try:
+            if self.host_storage.submit(job):
+                return True
+            error = "storage worker refused the job"
+        except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
+            error = f"{type(exc).__name__}: {exc}"
+        self.fail(job.job_id, job.direction, error)
+        return False
+
+    def deliver(self, result: TransferResult) -> None:
+        job = self._jobs.pop(result.job_id)
+        if result.error is not None:
+            self.metrics.storage_errors += 1
+        job.on_done(job, result)
+
+    def poll(self) -> None:
+        """Deliver every finished job (never blocks): device <-> host first, then storage, so
+        a landed write's backup can be acknowledged in the same call where it is instant."""
+        for worker in (self.device_host, self.host_storage):
+            if worker is not None:
+                for result in worker.poll():
+                    self.deliver(result)
+
+    def wait_all(self) -> None:
+        """Block until every job in flight has finished (results still come from ``poll``)."""
+        for worker in (self.device_host, self.host_storage):
+            if worker is not None:
+                worker.wait(None)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def ids(self) -> set[JobId]:
+        return set(self._jobs)
+
+    def describe(self) -> str:
+        """The jobs in flight by kind, e.g. ``backup: 1, write: 2``."""
+        kinds: dict[str, int] = {}
+        for job in self._jobs.values():
+            kinds[str(job.kind)] = kinds.get(str(job.kind), 0) + 1
+        return ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "none"
