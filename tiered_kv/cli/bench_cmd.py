@@ -12,20 +12,28 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import tempfile
-import time
-from functools import partial
 
 import torch
 from tqdm import tqdm
 
+from tiered_kv.bench.machine import LoadWatch, noise_check
+from tiered_kv.bench.storage import host_case, kv_store_times
+from tiered_kv.bench.timing import gbps, interleave, median
+from tiered_kv.bench.transfer import (
+    ContiguousBaseline,
+    Geometry,
+    TransferCase,
+    config_generator,
+    make_allocator,
+    make_host,
+    make_pool,
+    measure_transfer,
+)
+from tiered_kv.bench.transfer_check import verify_transfer
+from tiered_kv.bench.verify import fill_random
 from tiered_kv.cli.args import name_list, positive_int
 from tiered_kv.cli.report import table, write_json
-from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
-from tiered_kv.device.mha_pool import MHATokenToKVPool
-from tiered_kv.host import host_pool_for
-from tiered_kv.storage import LMDBStorage, StorageNamespace
 
 HELP = "host-memory benchmarks: device <-> host per layout / io backend / page size, host <-> disk"
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -62,140 +70,65 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     args.page_sizes = sizes
 
 
-def _load_layers(host, pool, h, dst, layer_ids, io) -> None:
-    for lid in layer_ids:
-        host.load_to_device_per_layer(pool, h, dst, lid, io)
-
-
-def _extend(out: list, fn, *args) -> None:
-    out.extend(fn(*args))
-
-
-def _timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t
-
-
-def _device_host(args, layout, io, page, pin, device) -> dict:
-    dtype = getattr(torch, args.dtype)
+def _device_host(args, layout, io, page, pin, device) -> tuple[dict, list[str]]:
+    """One configuration through the library's measurement (``tiered_kv.bench.transfer``): its
+    JSON row, and why its baseline was noisy (empty if it was not)."""
+    geom = Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
     size = 2 * args.tokens + 2 * page
-    pool = MHATokenToKVPool(size, page, dtype, args.kv_heads, args.head_dim, args.layers, device)
-    alloc = PagedTokenToKVPoolAllocator(size, page, dtype, device, pool)
-    gen = torch.Generator().manual_seed(page)
-    for buf in pool.buffers():
-        # Finite values of any 2- or 4-byte dtype: random int16 halves, exponent never all-ones.
-        halves = buf.view(torch.int16)
-        halves.copy_(
-            torch.randint(-30000, 30000, halves.shape, generator=gen, dtype=torch.int16).to(
-                halves.device
-            )
-        )
-    (decl,) = pool.host_pool_decls()
-    host = host_pool_for(decl, alloc, layout=layout, size_tokens=args.tokens, pin=pin)
+    pool = make_pool(geom, size, page, device)
+    alloc = make_allocator(pool, size)
+    fill_random(pool.buffers(), page, device)
+    decl = pool.host_pool_decls()[0]
+    host = make_host(decl, alloc, layout, args.tokens, pin=pin)
     pinned = host.pinned  # destroy() below unpins: read it now
-    nbytes = args.tokens * decl.bytes_per_token_per_layer * args.layers
-    src_c = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst_c = torch.empty(nbytes, dtype=torch.uint8, pin_memory=bool(pin and device.type == "cuda"))
-    samples: dict[str, list[float]] = {
-        "backup": [],
-        "load_layerwise": [],
-        "load_all": [],
-        "baseline": [],
-    }
+    baseline = ContiguousBaseline(device, pool.store_dtype, page, pin=pin)
+    case = TransferCase(pool, decl, alloc, host, io, args.tokens, baseline)
+    where = f"layout={layout} io_backend={io} page_size={page} pinned={pinned}"
     try:
-        for rep in range(args.repeats + 1):
-            alloc.clear()
-            host.allocator.clear()
-            src, dst = alloc.alloc(args.tokens), alloc.alloc(args.tokens)
-            h = host.alloc(args.tokens)
-            t_base = _timed(lambda: dst_c.copy_(src_c), device)
-            t_backup = _timed(partial(host.backup_from_device_all_layer, pool, h, src, io), device)
-            t_lw = _timed(
-                partial(_load_layers, host, pool, h, dst, decl.layer_ids, io),
-                device,
-            )
-            for lid in decl.layer_ids:
-                for buf in (pool.get_key_buffer(lid), pool.get_value_buffer(lid)):
-                    if not torch.equal(buf[dst].view(torch.int16), buf[src].view(torch.int16)):
-                        raise RuntimeError(f"{layout}/{io}/page {page}: layer {lid} differs")
-            t_all = _timed(partial(host.load_to_device_all_layer, pool, h, dst, io), device)
-            if rep:
-                for k, v in (
-                    ("baseline", t_base),
-                    ("backup", t_backup),
-                    ("load_layerwise", t_lw),
-                    ("load_all", t_all),
-                ):
-                    samples[k].append(v)
+        verify_transfer(where, case, config_generator(1, page, layout, salt=1))
+        res = measure_transfer(case, args.repeats, config_generator(0, page, layout, salt=0))
     finally:
         host.destroy()
-    base = nbytes / statistics.median(samples["baseline"]) / 1e9
     out = {
         "layout": layout,
         "io_backend": io,
         "page_size": page,
         "pinned": pinned,
-        "mib": nbytes / 2**20,
-        "baseline_gbps": base,
+        "mib": case.nbytes / 2**20,
+        "baseline_gbps": res["backup"].baseline_gbps,
     }
-    for k in ("backup", "load_layerwise", "load_all"):
-        gbps = nbytes / statistics.median(samples[k]) / 1e9
-        out[f"{k}_gbps"] = gbps
-        out[f"{k}_ratio"] = gbps / base
-    return out
+    for key, direction in (
+        ("backup", "backup"),
+        ("load_layerwise", "load"),
+        ("load_all", "load_all"),
+    ):
+        r = res[direction]
+        out[f"{key}_gbps"] = r.gbps
+        out[f"{key}_ratio"] = r.gbps / out["baseline_gbps"]
+    noise = [f"{where} {d}: {x}" for d in res for x in noise_check(res[d].baseline).reasons]
+    return out, noise
 
 
 def _host_storage(args) -> dict:
+    """LMDB set and warm get of host pages (``tiered_kv.bench.storage``), medians."""
     dtype = getattr(torch, args.dtype)
     page = args.page_sizes[-1]
-    pool = MHATokenToKVPool(
-        2 * args.tokens, page, dtype, args.kv_heads, args.head_dim, args.layers, "cpu"
-    )
-    alloc = PagedTokenToKVPoolAllocator(2 * args.tokens, page, dtype, "cpu", pool)
-    (decl,) = pool.host_pool_decls()
-    host = host_pool_for(decl, alloc, layout="page_first", size_tokens=2 * args.tokens)
-    host.buffer.view(torch.uint8).copy_(
-        torch.randint(0, 256, host.buffer.view(torch.uint8).shape, dtype=torch.uint8)
-    )
+    cpu = torch.device("cpu")
+    geom = Geometry(args.layers, args.kv_heads, args.head_dim, dtype)
+    pool = make_pool(geom, 2 * args.tokens, page, cpu)
+    alloc = make_allocator(pool, 2 * args.tokens)
+    decl = pool.host_pool_decls()[0]
+    host = make_host(decl, alloc, "page_first", 2 * args.tokens)
+    fill_random([host.buffer], page, cpu)
     n = args.tokens // page
     page_nbytes = host.page_nbytes  # read before host.destroy() below
-    ns = StorageNamespace.for_host_pool(host, tenant="bench")
-    keys = [bytes([i % 256, i // 256]) for i in range(n)]
-    keys = [ns.fingerprint + (k * 16)[:32] for k in keys]
-    sets, gets = [], []
     try:
-        for _ in range(args.repeats):
-            with tempfile.TemporaryDirectory() as d:
-                store = LMDBStorage(
-                    d, ns, page_nbytes, budget_bytes=4 * n * page_nbytes + (64 << 20)
-                )
-                try:
-                    sets.append(
-                        _timed(
-                            partial(store.batch_set, keys, host, list(range(n))),
-                            torch.device("cpu"),
-                        )
-                    )
-                    ok = []
-                    gets.append(
-                        _timed(
-                            partial(
-                                _extend, ok, store.batch_get, keys, host, list(range(n, 2 * n))
-                            ),
-                            torch.device("cpu"),
-                        )
-                    )
-                    if not all(ok) or not torch.equal(
-                        host.get_page_bytes(0), host.get_page_bytes(n)
-                    ):
-                        raise RuntimeError("host <-> storage round trip differs")
-                finally:
-                    store.close()
+        case = host_case(host, n, seed=page)
+        with tempfile.TemporaryDirectory() as d:
+            got = interleave(
+                {"lmdb": lambda _: kv_store_times(case, "lmdb", d, n, {}, False, False)},
+                args.repeats,
+            )["lmdb"]
     finally:
         host.destroy()
     nbytes = n * page_nbytes
@@ -203,8 +136,8 @@ def _host_storage(args) -> dict:
         "pages": n,
         "page_mib": page_nbytes / 2**20,
         "mib": nbytes / 2**20,
-        "set_gbps": nbytes / statistics.median(sets) / 1e9,
-        "warm_get_gbps": nbytes / statistics.median(gets) / 1e9,
+        "set_gbps": gbps(nbytes, median([t["set"][0] for t in got])),
+        "warm_get_gbps": gbps(nbytes, median([t["warm_get"][0] for t in got])),
     }
 
 
@@ -212,10 +145,12 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     pins = (True, False) if device.type == "cuda" else (None,)
     combos = list(itertools.product(args.layouts, args.io_backends, args.page_sizes, pins))
-    rows = [
+    watch = LoadWatch()
+    measured = [
         _device_host(args, *c, device)
         for c in tqdm(combos, desc="device<->host", unit="config", disable=args.no_progress)
     ]
+    rows = [row for row, _ in measured]
     result = {"command": "bench", "device": str(device), "device_host": rows}
     print(
         table(
@@ -279,5 +214,10 @@ def main(args: argparse.Namespace) -> int:
             )
         )
     print("\n(ratio: GB/s over a contiguous copy of the same bytes in the same run; medians)")
+    loads = watch.finish()
+    noise = [x for _, reasons in measured for x in reasons]
+    noise += list(noise_check(None, list(loads.values())).reasons)
+    if noise:
+        print("noisy (read those ratios with care or rerun): " + "; ".join(noise))
     write_json(args.json, result)
     return 0
