@@ -25,7 +25,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
-from tiered_kv.names import EvictionPolicyName, PrefetchPolicy, WritePolicy
+from tiered_kv.names import EvictionPolicyName, ModelKind, PrefetchPolicy, WritePolicy
 
 HELP = "serve a multi-turn long-context workload with offload and verify the restored KV"
 REL_TOLERANCE = 1e-6
@@ -83,7 +83,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.head_dim % 2:
         parser.error(f"--head-dim {args.head_dim} must be even (RoPE)")
-    if args.attention == "mla" and args.head_dim % 4:
+    if args.attention == ModelKind.MLA and args.head_dim % 4:
         parser.error(
             f"--head-dim {args.head_dim} must be a multiple of 4 with --attention mla "
             "(its rope dim, head-dim / 2, must be even)"
@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     store = args.store
     if args.fresh:
         shutil.rmtree(store, ignore_errors=True)
-    if args.attention == "mla":
+    if args.attention == ModelKind.MLA:
         mc = MLAModelConfig(
             num_layers=args.layers,
             hidden=args.hidden,
@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.system_prompts)
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
-    model = TinyMLA(mc) if args.attention == "mla" else TinyLlama(mc)
+    model = TinyMLA(mc) if args.attention == ModelKind.MLA else TinyLlama(mc)
     cache = TieredKVCache(cfg)
     records = []
     t0 = time.perf_counter()

@@ -217,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
             "source": args.trace or args.generator,
             "write_policy": args.write_policy,
             "host_ratio": args.host_ratio,
-            "inclusive_tiers": args.write_policy == "write_through",
+            "inclusive_tiers": args.write_policy == WritePolicy.WRITE_THROUGH,
         }
     )
     print(

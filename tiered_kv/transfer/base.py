@@ -23,10 +23,48 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from tiered_kv.device.kv_cache import KVCache
+from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.names import Direction, JobId
+from tiered_kv.storage.contract import PageSource
+
+
+class HostCopies(Protocol):
+    """What the device <-> host worker needs of a host pool (``host.HostKVCache``)."""
+
+    decl: HostPoolDecl
+    page_size: int
+
+    @property
+    def page_nbytes(self) -> int: ...
+
+    def backup_from_device_all_layer(
+        self,
+        device_pool: KVCache,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str = "kernel",
+    ) -> None: ...
+
+    def load_to_device_per_layer(
+        self,
+        device_pool: KVCache,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str = "kernel",
+    ) -> None: ...
+
+
+class HostPages(PageSource, Protocol):
+    """What the host <-> storage worker needs of a host pool: the store's page source, whose
+    pages are ``page_size`` slots each."""
+
+    page_size: int
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tiered_kv._checks import check_index_tensor
+from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import Direction, IOBackend, JobId, parse
-from tiered_kv.transfer.base import TransferJob, TransferResult, TransferWorker
+from tiered_kv.transfer.base import HostCopies, TransferJob, TransferResult, TransferWorker
 from tiered_kv.transfer.layer_done import LayerDoneCounter
 from tiered_kv.transfer.stats import TransferStats
 from tiered_kv.transfer.streams import CopyEvent, make_copy_stream
@@ -45,8 +46,8 @@ class DeviceHostTransfer(TransferWorker):
 
     def __init__(
         self,
-        device_allocator,
-        host_pool,
+        device_allocator: BaseTokenToKVPoolAllocator,
+        host_pool: HostCopies,
         *,
         io_backend: str | IOBackend = IOBackend.KERNEL,
         layer_slots: int = 3,
@@ -75,6 +76,12 @@ class DeviceHostTransfer(TransferWorker):
     def submit(self, job: TransferJob) -> bool:
         if self._closed:
             return False
+        if job.direction not in self.directions:
+            # Checked first: a storage job has no device_indices to check.
+            raise InvalidArgumentError(
+                f"direction={job.direction!r} is not moved by this worker; it moves "
+                f"{', '.join(map(str, self.directions))}"
+            )
         check_index_tensor(f"{job.direction}: host_indices", job.host_indices, _CPU)
         check_index_tensor(
             f"{job.direction}: device_indices", job.device_indices, self.device_pool.device
@@ -88,13 +95,8 @@ class DeviceHostTransfer(TransferWorker):
             raise InvalidArgumentError(f"job_id={job.job_id} is already in flight")
         if job.direction is Direction.DEVICE_TO_HOST:
             copy = self._submit_write(job)
-        elif job.direction is Direction.HOST_TO_DEVICE:
-            copy = self._submit_load(job)
         else:
-            raise InvalidArgumentError(
-                f"direction={job.direction!r} is not moved by this worker; it moves "
-                f"{', '.join(map(str, self.directions))}"
-            )
+            copy = self._submit_load(job)
         self._by_id[job.job_id] = copy
         return True
 
@@ -158,9 +160,10 @@ class DeviceHostTransfer(TransferWorker):
         direction = copy.job.direction
         self.stats.add(direction, copy.nbytes, seconds, ok)
         counter = self.layer_done_counter
-        if copy.slot is not None:
-            if self._slot_job.get(copy.slot) is copy:
-                del self._slot_job[copy.slot]
+        # Only while the slot still holds this load's events: a newer load may have taken it
+        # again (this load's events were done, not yet acknowledged); its consumer must stay.
+        if copy.slot is not None and self._slot_job.get(copy.slot) is copy:
+            del self._slot_job[copy.slot]
             if not ok and counter.consumer_is(copy.slot):
                 # Readers must not keep hitting the failed load's error; the manager drops the
                 # device copies that load was filling.

@@ -24,7 +24,7 @@ from tiered_kv._checks import check_index_tensor, check_positive_int
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import Direction, JobId
 from tiered_kv.storage.contract import PageStorage
-from tiered_kv.transfer.base import TransferJob, TransferResult, TransferWorker
+from tiered_kv.transfer.base import HostPages, TransferJob, TransferResult, TransferWorker
 from tiered_kv.transfer.stats import TransferStats
 
 _CPU = torch.device("cpu")
@@ -48,7 +48,7 @@ class HostStorageTransfer(TransferWorker):
 
     def __init__(
         self,
-        host_pool,
+        host_pool: HostPages,
         storage: PageStorage,
         *,
         batch_pages: int = 32,
@@ -172,9 +172,10 @@ class HostStorageTransfer(TransferWorker):
             except Exception as exc:  # noqa: BLE001 - storage trouble is a failed result
                 copy.error = f"{type(exc).__name__}: {exc}"
             finally:
-                # Only now is the copy final (error, pages_done): then signal and report it.
-                copy.done.set()
+                # Only now is the copy final (error, pages_done): report it, then signal it, so
+                # that a poll after a wait that returned True delivers it.
                 self._done.put(copy)
+                copy.done.set()
 
     def _run_backup(self, copy: _StorageCopy) -> None:
         keys, pages, step = copy.job.keys, copy.pages, self.batch_pages
