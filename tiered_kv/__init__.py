@@ -2,23 +2,29 @@
 
 from tiered_kv.errors import (
     BackendUnavailableError,
+    HostMemoryError,
     InvalidArgumentError,
     LayoutError,
     OwnershipError,
     PhysicalWriteLocError,
     StateError,
+    StorageOpenError,
     TieredKVError,
+    TransferError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "HostMemoryError",
     "InvalidArgumentError",
     "LayoutError",
     "OwnershipError",
     "PhysicalWriteLocError",
     "StateError",
+    "StorageOpenError",
     "TieredKVError",
+    "TransferError",
     "__version__",
 ]

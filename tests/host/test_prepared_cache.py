@@ -9,6 +9,7 @@ from tiered_kv import InvalidArgumentError
 from tiered_kv.device import MHATokenToKVPool, PagedTokenToKVPoolAllocator
 from tiered_kv.host import host_pool_for
 from tiered_kv.hugepages import advise_huge_pages, empty_zeroed
+from tiered_kv.kernels import transfer_native
 
 P = 16
 
@@ -49,6 +50,30 @@ def test_in_place_change_of_indices_is_seen(gen, kernel_backend):
     h[0] = host.size + 5
     with pytest.raises(InvalidArgumentError, match="outside the valid range"):
         host.load_to_device_per_layer(pool, h, dst, 2)
+
+
+def test_a_layer_wise_load_builds_one_native_plan(gen, monkeypatch):
+    """The pool hands the launcher the same arguments and plan cache for every layer of a load,
+    so the native copier builds its plan once per transfer and direction, not once per call."""
+    built = []
+
+    class Counted(transfer_native.NativeRowPlan):
+        def __init__(self, *args, **kwargs):
+            built.append(args[5])  # to_host
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(transfer_native, "NativeRowPlan", Counted)
+    pool, alloc, host = _setup(gen, "native")
+    src, dst, h = alloc.alloc(2 * P), alloc.alloc(2 * P), host.alloc(2 * P)
+    host.backup_from_device_all_layer(pool, h, src)
+    for layer in (2, 0, 1):
+        host.load_to_device_per_layer(pool, h, dst, layer)
+    host.load_to_device_all_layer(pool, h, dst)
+    assert built == [True, False]
+    k = pool.k_buffer[1].view(torch.int16)
+    assert torch.equal(k[dst], k[src])
+    host.load_to_device_per_layer(pool, h, dst.clone(), 0)  # other indices: a new transfer
+    assert built == [True, False, False]
 
 
 def test_huge_page_advice_is_best_effort_and_zeroes():

@@ -35,9 +35,6 @@ from tests.host._util import (
     random_host_pages,
     shuffle_free_pages,
 )
-from tests.host.conftest import torch_threads
-from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
-from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.platform import KernelBackend
 
 PAGE_SIZES = (1, 16, 64)
@@ -262,33 +259,6 @@ def test_long_consecutive_runs_across_pages(io, kb, layout, gen):
     host.backup_from_device_all_layer(pool, host_idx, src, io_backend=io)
     assert_host_equal(host, expected_host_after_backup(pool, host0, dev0, host_idx, src))
     host.load_to_device_all_layer(pool, host_idx, dst, io_backend=io)
-    assert_device_equal(pool, expected_device_after_load(dev0, dev0, src, dst))
-
-
-@pytest.mark.parametrize("layout", ("layer_first", "page_first"))
-def test_large_native_transfer_uses_threads_and_streams(layout, gen):
-    """A transfer above the native copier's thread and streaming-store thresholds (16 MiB)
-    equals the torch reference byte for byte and round-trips."""
-    page, k = 64, 16
-    pool = MHATokenToKVPool(40 * page, page, torch.float16, 8, 128, 4, "cpu")
-    alloc = PagedTokenToKVPoolAllocator(40 * page, page, torch.float16, "cpu", kvcache=pool)
-    native = make_host(pool, alloc, layout, host_pages=k + 3, kernel_backend="native")
-    ref = make_host(pool, alloc, layout, host_pages=k + 3, kernel_backend="torch")
-    assert k * page * 4 * pool.bytes_per_token_per_layer() >= 16 << 20
-    fill_device(pool, gen)
-    fill_bits(native.buffer, gen)
-    ref.buffer.copy_(native.buffer)
-    shuffle_free_pages(alloc, gen)
-    src, dst = alloc.alloc(k * page), alloc.alloc(k * page)
-    host_idx = random_host_pages(native, k, gen)
-    dev0, host0 = device_snapshot(pool), host_snapshot(native)
-    with torch_threads(4):  # the native copier splits a large transfer over torch's threads
-        native.backup_from_device_all_layer(pool, host_idx, src)
-    ref.backup_from_device_all_layer(pool, host_idx, src)
-    assert torch.equal(ints(native.buffer), ints(ref.buffer))
-    assert_host_equal(native, expected_host_after_backup(pool, host0, dev0, host_idx, src))
-    with torch_threads(4):
-        native.load_to_device_all_layer(pool, host_idx, dst)
     assert_device_equal(pool, expected_device_after_load(dev0, dev0, src, dst))
 
 

@@ -6,14 +6,15 @@ import psutil
 import torch
 
 from tiered_kv import platform
-from tiered_kv.errors import BackendUnavailableError, InvalidArgumentError, TieredKVError
+from tiered_kv.errors import (
+    BackendUnavailableError,
+    HostMemoryError,
+    InvalidArgumentError,
+    StateError,
+)
 from tiered_kv.hugepages import advise_huge_pages
 
 GIB = 1 << 30
-
-
-class HostMemoryError(TieredKVError):
-    """A host pool would not fit in available memory. Lower the named setting."""
 
 
 def default_reserve_bytes() -> int:
@@ -95,6 +96,12 @@ class HostBuffer:
                 self.tensor = None
                 raise HostMemoryError(f"cudaHostRegister failed with code {int(rc)}")
             self.pinned = True
+
+    def live(self) -> torch.Tensor:
+        """The tensor; raises StateError once the buffer is destroyed."""
+        if self.tensor is None:
+            raise StateError("this host pool was destroyed")
+        return self.tensor
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,9 @@
-"""Kernels: each Triton kernel with a launcher and a torch reference of the same signature."""
+"""Kernels: each Triton kernel with a launcher and a torch reference of the same signature.
+
+Callers take a backend's launchers here and call them without knowing which backend they got:
+every backend of a launcher has the same signature. State a backend keeps between calls (the
+native copier's block addresses) lives in a :class:`PlanCache` the caller passes and owns.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ from typing import NamedTuple
 import torch
 
 from tiered_kv import platform
+from tiered_kv.kernels.transfer_reference import PlanCache
 from tiered_kv.platform import KernelBackend
+
+__all__ = ["AllocKernels", "PlanCache", "TransferKernels", "alloc_kernels", "transfer_kernels"]
 
 
 class AllocKernels(NamedTuple):
@@ -20,7 +28,8 @@ class AllocKernels(NamedTuple):
 
 
 class TransferKernels(NamedTuple):
-    """The page-transfer launcher of one backend (same signature for every backend)."""
+    """The page-transfer launcher of one backend (same signature for every backend;
+    ``transfer_reference.transfer_rows`` states the contract)."""
 
     backend: KernelBackend
     transfer_rows: Callable[..., None]

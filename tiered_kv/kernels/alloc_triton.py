@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_kv.errors import InvalidArgumentError
+
 # Full pages are written BLOCK_EXTEND slots at a time in a loop whose bound is a runtime value,
 # so Triton emits a real loop and compiles the kernel once for every extend length.
 BLOCK_EXTEND = 4096
@@ -118,7 +120,7 @@ def alloc_decode_kernel(
 def _check_vectors(bs: int, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dim() != 1 or t.numel() != bs or not t.is_contiguous():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name} must be a contiguous 1-D tensor of length {bs}, got shape "
                 f"{tuple(t.shape)} (contiguous={t.is_contiguous()})"
             )
@@ -138,7 +140,10 @@ def alloc_extend(
     if bs == 0 or out_indices.numel() == 0:
         return
     if out_indices.dtype != torch.int64 or not out_indices.is_contiguous():
-        raise ValueError(f"out_indices must be contiguous int64, got {out_indices.dtype}")
+        raise InvalidArgumentError(
+            f"out_indices must be contiguous int64, got {out_indices.dtype} "
+            f"(contiguous={out_indices.is_contiguous()})"
+        )
     alloc_extend_kernel[(bs,)](
         prefix_lens,
         seq_lens,

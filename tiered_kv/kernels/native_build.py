@@ -17,6 +17,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tiered_kv.errors import BackendUnavailableError
+
 SOURCE = Path(__file__).with_name("native") / "copy_blocks.c"
 ENV_CACHE_DIR = "TIERED_KV_CACHE_DIR"
 
@@ -43,14 +45,19 @@ def _compiler() -> str | None:
 def _build(target: Path) -> None:
     cc = _compiler()
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+        raise BackendUnavailableError(
+            "no C compiler found (tried $CC, cc, gcc, clang); set CC or install gcc"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[:500]}")
+            raise BackendUnavailableError(
+                f"{' '.join(cmd)} failed with exit code {proc.returncode}: "
+                f"{proc.stderr.strip()[:500]}; set CC to a working C compiler"
+            )
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file
 
 

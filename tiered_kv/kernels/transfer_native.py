@@ -1,14 +1,17 @@
 """Native page-transfer launcher (CPU): one call of the C block copier per transfer or layer.
 
 :class:`NativeRowPlan` computes the block addresses of a transfer with broadcast torch ops,
-straight into copy order, and keeps them; ``run`` then costs one C call. A layer-wise load (one
-call per layer with the same indices) reuses one plan, and a layer's addresses are built when
-that layer is first copied, so layer 0 does not wait for the addresses of every layer.
-Orders: host-bound copies in a token-major layout go in chunks of ``CHUNK`` consecutive tokens,
-layer by layer, part by part (each chunk fills one region of the host while reading runs of
-device rows); device-bound copies go layer-major, so one layer is one contiguous slice of the
-address arrays. Large copies use several threads and non-temporal stores. Same contract as
-``transfer_reference.transfer_rows``; the caller has validated every index.
+straight into copy order, and keeps them; running it then costs one C call. ``transfer_rows``
+keeps the plan in the caller's :class:`PlanCache`, so the calls of a layer-wise load (one per
+layer, same arguments) share one plan; a layer's addresses are built when that layer is first
+copied, so layer 0 does not wait for the addresses of every layer. A cached plan is used only
+while the arguments are the objects it was built from and the index tensors are unmodified
+(``_version``); otherwise it is rebuilt.
+Orders: host-bound copies of every layer in a token-major layout go in chunks of ``CHUNK``
+consecutive tokens, layer by layer, part by part (each chunk fills one region of the host while
+reading runs of device rows); other copies go layer-major, so one layer is one contiguous slice
+of the address arrays. Large copies use several threads and non-temporal stores. Same contract
+as ``transfer_reference.transfer_rows``; the caller has validated every index.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_kv.errors import BackendUnavailableError, TransferError
 from tiered_kv.kernels import native_build
+from tiered_kv.kernels.transfer_reference import PlanCache
 
 # Below these sizes a thread start or a cache bypass costs more than it saves.
 THREADS_MIN_BYTES = 1 << 20
 STREAM_MIN_BYTES = 4 << 20
 # Tokens per chunk of a host-bound token-major copy (measured: 16 beat 1 by 10-15%).
 CHUNK = 16
+
+Buffers = tuple[tuple[torch.Tensor, ...], ...]
 
 
 def _chunked(a: torch.Tensor) -> torch.Tensor:
@@ -34,6 +41,26 @@ def _chunked(a: torch.Tensor) -> torch.Tensor:
     head = a[:, :whole].reshape(layers, n // CHUNK, CHUNK, parts).permute(1, 0, 3, 2).reshape(-1)
     tail = a[:, whole:].permute(1, 0, 2).reshape(-1)
     return torch.cat([head, tail])
+
+
+def _flat(a: torch.Tensor) -> torch.Tensor:
+    return a.reshape(-1).contiguous()
+
+
+def _frozen(dev_buffers: Sequence[Sequence[torch.Tensor]]) -> Buffers:
+    if isinstance(dev_buffers, tuple) and all(isinstance(b, tuple) for b in dev_buffers):
+        return dev_buffers
+    return tuple(tuple(bufs) for bufs in dev_buffers)
+
+
+def _same_buffers(given: Sequence[Sequence[torch.Tensor]], kept: Buffers) -> bool:
+    # A tuple of tuples cannot change, so the same object holds the same tensors.
+    if given is kept:
+        return True
+    return len(given) == len(kept) and all(
+        len(g) == len(k) and all(a is b for a, b in zip(g, k, strict=True))
+        for g, k in zip(given, kept, strict=True)
+    )
 
 
 class NativeRowPlan:
@@ -52,34 +79,57 @@ class NativeRowPlan:
     ) -> None:
         lib = native_build.load()
         if lib is None:
-            raise RuntimeError(native_build.error())
+            raise BackendUnavailableError(f"{native_build.error()}; use kernel_backend='torch'")
         self._fn = lib.tkv_copy_blocks
         elt = host.element_size()
-        self.layers = len(dev_buffers[0])
+        # The arguments, kept: they identify the plan, and keep alive the memory it addresses.
+        self._dev_buffers = _frozen(dev_buffers)
+        self._host, self._dev_rows, self._host_offsets = host, dev_rows, host_offsets
+        self._versions = (dev_rows._version, host_offsets._version)
+        self._part_offsets = tuple(part_offsets)
+        self._token_major = token_major
+        self.layers = len(self._dev_buffers[0])
         self.n = dev_rows.numel()
         self.row_bytes = [bufs[0].numel() // bufs[0].shape[0] * elt for bufs in dev_buffers]
-        self.by_layer = not (to_host and token_major)
-        # Keep the buffers alive as long as their addresses are in use.
-        self._keep = (dev_buffers, host)
         self._bases = torch.tensor(
-            [[bufs[i].data_ptr() for bufs in dev_buffers] for i in range(self.layers)],
+            [[bufs[i].data_ptr() for bufs in self._dev_buffers] for i in range(self.layers)],
             dtype=torch.int64,
         )
         self._nbytes = torch.tensor(self.row_bytes, dtype=torch.int64)
-        self._part_bytes = torch.tensor(part_offsets, dtype=torch.int64) * elt
+        self._part_bytes = torch.tensor(self._part_offsets, dtype=torch.int64) * elt
         self._rows = dev_rows.to(torch.int64)
         self._host_ptr = host.data_ptr()
-        self._host_offsets = host_offsets
         self._elt = elt
         self._to_host = to_host
+        self._chunk_whole = to_host and token_major
         self._mixed = len(set(self.row_bytes)) > 1
-        # Layer-major plans build a layer's addresses when that layer is first copied, so the
-        # first layer of a layer-wise load does not wait for every layer's addresses.
+        # Addresses are built on first use: a layer's when that layer is first copied alone.
         self._per_layer: dict[int, tuple] = {}
         self._whole: tuple | None = None
-        if not self.by_layer:
-            dst, src, sizes = self._addresses(slice(None))
-            self._whole = (_chunked(dst), _chunked(src), _chunked(sizes) if self._mixed else None)
+
+    def built_from(
+        self,
+        dev_buffers: Sequence[Sequence[torch.Tensor]],
+        host: torch.Tensor,
+        dev_rows: torch.Tensor,
+        host_offsets: torch.Tensor,
+        part_offsets: Sequence[int],
+        to_host: bool,
+        token_major: bool,
+    ) -> bool:
+        """Whether this plan's addresses are those of these arguments (same objects, index
+        tensors unmodified since the plan was built, the host storage where it was)."""
+        return (
+            dev_rows is self._dev_rows
+            and host_offsets is self._host_offsets
+            and (dev_rows._version, host_offsets._version) == self._versions
+            and host is self._host
+            and host.data_ptr() == self._host_ptr
+            and to_host == self._to_host
+            and token_major == self._token_major
+            and tuple(part_offsets) == self._part_offsets
+            and _same_buffers(dev_buffers, self._dev_buffers)
+        )
 
     def _addresses(self, layers: slice) -> tuple:
         """(dst, src, sizes) addresses, each shaped (layers, n, parts)."""
@@ -92,39 +142,52 @@ class NativeRowPlan:
 
     def _layer_major(self, layers: slice) -> tuple:
         dst, src, sizes = self._addresses(layers)
-        flat = (lambda a: a.reshape(-1).contiguous())
-        return flat(dst), flat(src), flat(sizes) if sizes is not None else None
+        return _flat(dst), _flat(src), _flat(sizes) if sizes is not None else None
 
-    def run(self, layer: int | None = None) -> None:
-        """Copy every layer, or only local ``layer`` (plans built layer-major only)."""
+    def run(self, layers: Sequence[int] | None = None) -> None:
+        """Copy every layer (``layers`` None, or all of them in order), else each of local
+        ``layers`` in turn, one C call per layer."""
         if self.n == 0:
             return
-        layers = self.layers
-        if layer is None:
+        every = layers is None or (
+            len(layers) == self.layers and list(layers) == list(range(self.layers))
+        )
+        if every:
             if self._whole is None:
-                self._whole = self._layer_major(slice(None))
-            dst, src, sizes = self._whole
-        else:
-            if not self.by_layer:
-                raise ValueError("this plan copies whole tokens; it cannot run one layer")
+                if self._chunk_whole:
+                    dst, src, sizes = self._addresses(slice(None))
+                    chunked = _chunked(sizes) if sizes is not None else None
+                    self._whole = (_chunked(dst), _chunked(src), chunked)
+                else:
+                    self._whole = self._layer_major(slice(None))
+            self._copy(*self._whole, self.layers)
+            return
+        for layer in layers:
             plan = self._per_layer.get(layer)
             if plan is None:
                 plan = self._per_layer[layer] = self._layer_major(slice(layer, layer + 1))
-            dst, src, sizes = plan
-            layers = 1
+            self._copy(*plan, 1)
+
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, sizes: torch.Tensor | None, layers: int
+    ) -> None:
         total = self.n * layers * sum(self.row_bytes)
-        threads = torch.get_num_threads() if total >= THREADS_MIN_BYTES else 1
+        threads = max(1, torch.get_num_threads() if total >= THREADS_MIN_BYTES else 1)
         rc = self._fn(
             ctypes.c_void_p(dst.data_ptr()),
             ctypes.c_void_p(src.data_ptr()),
             ctypes.c_void_p(sizes.data_ptr() if sizes is not None else 0),
             dst.numel(),
             self.row_bytes[0],
-            max(1, threads),
+            threads,
             int(total >= STREAM_MIN_BYTES),
         )
         if rc != 0:
-            raise RuntimeError(f"native block copier refused the transfer (rc={rc})")
+            raise TransferError(
+                f"native block copier refused the transfer (rc={rc}): {dst.numel()} blocks of "
+                f"{self.row_bytes} bytes on {threads} threads; it needs a block count >= 0, "
+                "block sizes >= 0 and at least 1 thread"
+            )
 
 
 def transfer_rows(
@@ -135,8 +198,19 @@ def transfer_rows(
     part_offsets: Sequence[int],
     to_host: bool,
     *,
+    layers: Sequence[int] | None = None,
     token_major: bool = False,
+    plan_cache: PlanCache | None = None,
 ) -> None:
-    NativeRowPlan(
-        dev_buffers, host, dev_rows, host_offsets, part_offsets, to_host, token_major=token_major
-    ).run()
+    """Copy through a :class:`NativeRowPlan`: the one in ``plan_cache`` when it was built from
+    these arguments, else a new one (kept there). One plan per direction per cache."""
+    key = ("native", bool(to_host))
+    plan = None if plan_cache is None else plan_cache.entries.get(key)
+    if not isinstance(plan, NativeRowPlan) or not plan.built_from(
+        dev_buffers, host, dev_rows, host_offsets, part_offsets, to_host, token_major
+    ):
+        args = (dev_buffers, host, dev_rows, host_offsets, part_offsets, to_host)
+        plan = NativeRowPlan(*args, token_major=token_major)
+        if plan_cache is not None:
+            plan_cache.entries[key] = plan
+    plan.run(layers)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_kv.kernels.transfer_reference import as_int
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.kernels.transfer_reference import PlanCache, as_int
 
 
 @triton.jit
@@ -44,7 +45,10 @@ def copy_rows(
     if n == 0:
         return
     if src_off.numel() != dst_off.numel() or src_off.dtype != torch.int64:
-        raise ValueError("src_off and dst_off must be int64 tensors of equal length")
+        raise InvalidArgumentError(
+            f"src_off has {src_off.numel()} {src_off.dtype} entries and dst_off "
+            f"{dst_off.numel()} {dst_off.dtype}; both must be int64 tensors of equal length"
+        )
     block = min(triton.next_power_of_2(row), 1024)
     copy_rows_kernel[(n,)](src, src_off, dst, dst_off, ROW=row, BLOCK=block)
 
@@ -57,21 +61,26 @@ def transfer_rows(
     part_offsets: Sequence[int],
     to_host: bool,
     *,
+    layers: Sequence[int] | None = None,
     token_major: bool = False,
+    plan_cache: PlanCache | None = None,
 ) -> None:
-    """One launch per (part, layer); see ``transfer_reference.transfer_rows`` for the contract."""
-    del token_major
+    """One launch per (part, chosen layer); see ``transfer_reference.transfer_rows`` for the
+    contract (``token_major`` and ``plan_cache`` are ignored)."""
+    del token_major, plan_cache
     if dev_rows.numel() == 0:
         return
     device = dev_buffers[0][0].device
     flat_host = as_int(host).view(-1)
-    offsets = host_offsets.to(device)
+    chosen = list(range(len(dev_buffers[0]))) if layers is None else list(layers)
+    # Only the chosen layers' offsets go to the device: one layer of a layer-wise load moves n.
+    offsets = (host_offsets if layers is None else host_offsets[chosen]).to(device)
     for bufs, part_off in zip(dev_buffers, part_offsets, strict=True):
         row = bufs[0].numel() // bufs[0].shape[0]
         dev_off = dev_rows.to(device, torch.int64) * row
-        for layer, buf in enumerate(bufs):
-            flat_dev = as_int(buf).view(-1)
-            host_off = (offsets[layer] + part_off).contiguous()
+        for j, layer in enumerate(chosen):
+            flat_dev = as_int(bufs[layer]).view(-1)
+            host_off = (offsets[j] + part_off).contiguous()
             if to_host:
                 copy_rows(flat_dev, dev_off, flat_host, host_off, row)
             else:

@@ -22,15 +22,11 @@ from pathlib import Path
 
 import lmdb
 
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import StorageOpenError
 from tiered_kv.storage import map_file, value_format
 from tiered_kv.storage.keys import KEY_BYTES
 
 _NODE = 16  # LMDB's per-entry node header, rounded up
-
-
-class StorageOpenError(TieredKVError):
-    """The store directory cannot be created, opened or written. The message says which path."""
 
 
 def record_cost(payload: int, psize: int = 4096) -> int:
