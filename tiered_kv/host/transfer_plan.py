@@ -29,6 +29,7 @@ from tiered_kv.host.transfer import (
     plan_transfer,
 )
 from tiered_kv.kernels import PlanCache, transfer_kernels
+from tiered_kv.names import IOBackend
 from tiered_kv.platform import KernelBackend
 
 DeviceBuffers = tuple[tuple[torch.Tensor, ...], ...]
@@ -184,7 +185,7 @@ class HostTransfers:
             prepared.dev_buffers = tuple(
                 tuple(part.buffer(i) for i in every) for part in decl.parts
             )
-        if io == "direct":
+        if io == IOBackend.DIRECT:
             chosen = list(range(decl.layer_num)) if layers is None else layers
             if prepared.runs is None:
                 prepared.runs = direct_runs(plan, self.layout, decl.page_size)
