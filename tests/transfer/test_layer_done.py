@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from tests.host._util import make_pool
-from tiered_kv.copy_streams import ThreadEvent
+from tests.transfer._util import make_pool
 from tiered_kv.errors import InvalidArgumentError, StateError
-from tiered_kv.layer_done import LayerDoneCounter
+from tiered_kv.transfer.layer_done import LayerDoneCounter
+from tiered_kv.transfer.streams import ThreadEvent
 
 TIMEOUT = 10.0
 
@@ -144,7 +144,7 @@ def test_constructor_checks(layers, slots):
 
 
 def test_device_pool_getters_wait_on_the_registered_counter():
-    pool, _ = make_pool("mha", 3, layer_num=4)
+    pool, _ = make_pool(3, layer_num=4)
     with pytest.raises(InvalidArgumentError, match="counts 3 layers"):
         pool.register_layer_transfer_counter(LayerDoneCounter(3))
     c = LayerDoneCounter(4)
@@ -165,3 +165,61 @@ def test_device_pool_getters_wait_on_the_registered_counter():
     pool.get_key_buffer(0)  # unregistered: no wait on the pending layer-0 event
     for e in events:
         e.set()
+
+
+def test_next_producer_and_next_producer_free_track_the_slot_update_producer_takes():
+    c = LayerDoneCounter(2, num_slots=3)
+    assert c.next_producer() == 0 and c.next_producer_free()
+    pending = [ThreadEvent(), ThreadEvent()]
+    for expect in range(3):
+        assert c.next_producer() == expect
+        slot = c.update_producer()
+        assert slot == expect and c.producer == slot
+        c.record(slot, 1, pending[0] if slot == 0 else ThreadEvent(done=True))
+    # Slot 0 is next again and still loading layer 1: not free, and update_producer refuses.
+    assert c.next_producer() == 0 and not c.next_producer_free()
+    with pytest.raises(StateError):
+        c.update_producer()
+    assert c.next_producer() == 0 and c.producer == 2  # the refusal changed nothing
+    pending[0].set(RuntimeError("failed copies are done too"))
+    assert c.next_producer_free()
+    assert c.update_producer() == 0 and c.next_producer() == 1
+    # The answer never blocks, and never depends on the consumer.
+    c.record(0, 0, pending[1])
+    c.set_consumer(0)
+    assert c.next_producer() == 1 and c.next_producer_free()  # slot 1 is done
+    c.update_producer()
+    c.update_producer()
+    assert c.next_producer() == 0 and not c.next_producer_free()
+    pending[1].set()
+    assert c.next_producer_free()
+
+
+def test_next_producer_of_a_single_slot_is_always_that_slot():
+    c = LayerDoneCounter(3, num_slots=1)
+    ev = ThreadEvent()
+    for _ in range(3):
+        assert c.next_producer() == 0
+        assert c.update_producer() == 0
+    c.record(0, 2, ev)
+    assert c.next_producer() == 0 and not c.next_producer_free()
+    ev.set()
+    assert c.next_producer_free()
+
+
+def test_consumer_is_names_exactly_the_consumer():
+    c = LayerDoneCounter(2, num_slots=3)
+    assert c.consumer_is(None)
+    assert not any(c.consumer_is(s) for s in range(3))
+    for slot in (2, 0, 1):
+        c.set_consumer(slot)
+        assert c.consumer_is(slot) and not c.consumer_is(None)
+        assert [c.consumer_is(s) for s in range(3)] == [s == slot for s in range(3)]
+    assert not c.consumer_is(7)  # out of range: simply not the consumer
+    c.set_consumer(None)
+    assert c.consumer_is(None) and not c.consumer_is(1)
+    # A refused set_consumer changes nothing.
+    c.set_consumer(1)
+    with pytest.raises(InvalidArgumentError):
+        c.set_consumer(3)
+    assert c.consumer_is(1)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from tiered_kv.copy_streams import ThreadCopyStream, ThreadEvent, make_copy_stream
 from tiered_kv.errors import StateError
+from tiered_kv.transfer.streams import ThreadCopyStream, ThreadEvent, make_copy_stream
 
 TIMEOUT = 10.0
 
