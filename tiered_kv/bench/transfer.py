@@ -36,9 +36,10 @@ from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host import HostKVCache, HostLayout, host_pool_for
+from tiered_kv.names import IOBackend
 
 LAYOUTS = tuple(x.value for x in HostLayout)
-IO_BACKENDS = ("kernel", "direct")
+IO_BACKENDS = IOBackend.values()
 DIRECTIONS = ("backup", "load", "load_all")
 MIN_REPEATS = 3
 # Right after a host pool is built the first copies ran up to 2x slower (the baseline too).

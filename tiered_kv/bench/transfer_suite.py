@@ -38,10 +38,11 @@ from tiered_kv.bench.transfer import (
 from tiered_kv.bench.transfer_check import verify_transfer
 from tiered_kv.bench.verify import fill_random
 from tiered_kv.errors import BackendUnavailableError
+from tiered_kv.names import HostLayout, IOBackend
 
 KERNEL_BACKENDS = ("native", "torch", "triton")
 NO_KERNEL = "-"  # the kernel-backend label of 'direct' rows
-TARGET_LAYOUT = "page_first"
+TARGET_LAYOUT = HostLayout.PAGE_FIRST.value
 TARGET_MIN_PAGE = 16
 TARGET_RATIO = 0.8
 TRITON_MAX_REPEATS = 2
@@ -102,10 +103,11 @@ def combos(
     """The usable backend combinations (a kernel backend this process cannot run is skipped,
     with a line on stderr)."""
     out = []
-    if "kernel" in io_backends:
-        out += [Combo("kernel", kb, kb) for kb in kernel_backends]
-    if "direct" in io_backends:
-        out.append(Combo("direct", NO_KERNEL, "torch"))  # direct never calls the kernel backend
+    if IOBackend.KERNEL in io_backends:
+        out += [Combo(IOBackend.KERNEL.value, kb, kb) for kb in kernel_backends]
+    if IOBackend.DIRECT in io_backends:
+        # direct never calls the kernel backend
+        out.append(Combo(IOBackend.DIRECT.value, NO_KERNEL, "torch"))
     usable = []
     for c in out:
         try:
