@@ -433,6 +433,35 @@ def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
     assert_no_leak(cache)
 
 
+def test_failed_load_is_not_matched_while_its_request_holds_it(make_cache, gen, monkeypatch):
+    """A second request begun while the first still holds a failed load's device copy must not
+    be handed that garbage as its prefix: the stale part is a miss for it."""
+    cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    (a,) = make_prompts(gen, [21])
+    model.serve(a)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)
+    real = cache.host_pool.load_to_device_per_layer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    first = cache.begin(a)
+    assert first.hits.host == 20
+    cache.drain()  # the load's failure is acknowledged: its device copy is stale, still held
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", real)
+    second = model.begin(a)
+    assert second.prefix_len == 0 and second.hits.device == 0, second.hits
+    model.compute(second, a)
+    finish_request(model, second, a)
+    cache.finish(first)
+    cache.drain()
+    model.serve(a)  # exact from whatever tier now holds it
+    assert_no_leak(cache)
+
+
 # -- 3. locked prefixes are never evicted ---------------------------------------------------------
 @pytest.mark.parametrize("source", ["device", "host", "storage"])
 def test_locked_prefix_survives_eviction_pressure(make_cache, gen, source):
@@ -885,5 +914,33 @@ def test_prepare_forward_points_layer_waits_at_an_earlier_request(make_cache, ge
         cache.finish(r)
     with pytest.raises(StateError):
         cache.prepare_forward(ra)
+    cache.drain()
+    assert_no_leak(cache)
+
+
+def test_a_prefix_shared_with_a_load_in_flight_waits_for_that_load(make_cache, gen, monkeypatch):
+    """A request whose device prefix is on the device only because an earlier request is still
+    loading it must wait for that load's layers: its load slot is that load's."""
+    cache = make_cache(device_tokens=256, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    (a,) = make_prompts(gen, [33])
+    model.serve(a)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)
+    real = cache.host_pool.load_to_device_per_layer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", slow)
+    first = cache.begin(a)
+    second = cache.begin(a)  # the whole prefix is "on the device" already: first's load
+    assert first.hits.host == aligned(33) and second.hits.device == aligned(33)
+    assert first.load_slot is not None and second.load_slot == first.load_slot
+    cache.prepare_forward(second)
+    model.check(second)  # exact bytes: the reads waited for first's layers
+    for r in (second, first):
+        cache.finish(r)
     cache.drain()
     assert_no_leak(cache)

@@ -207,3 +207,22 @@ def test_check_tree_names_the_broken_invariant(corrupt, message):
     corrupt(tree, child if message != "lock_ref" else node)
     with pytest.raises(IntegrityError, match=message):
         check_tree(tree, jobs=set())
+
+
+def test_stale_copy_is_never_matched_nor_built_upon():
+    tree, slots = TieredTree(P), Slots()
+    seq = list(range(1, 13))
+    tree.insert(seq[:8], slots.take(8))
+    (node,) = tree.root.children.values()
+    tree.set_host(node, slots.take(8))  # the load's source
+    tree.inc_lock_ref(node)  # its request still holds it
+    tree.mark_stale(node)
+    m = tree.match(seq)
+    assert m.steps == () and m.device_len == m.host_len == 0 and m.probe_digests == ()
+    dup, new, kept = tree.insert(seq, slots.take(12))
+    assert (dup, new, kept) == (0, [], 0) and not node.children  # nothing below garbage
+    (freed,) = tree.dec_lock_ref(node)
+    assert len(freed) == 8 and not node.on_device and node.on_host and not node.stale
+    check_tree(tree)
+    with pytest.raises(StateError, match="both tiers"):
+        tree.mark_stale(node)

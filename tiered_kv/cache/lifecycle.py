@@ -60,7 +60,7 @@ def begin(
                 before = m.device_hit_length + m.host_hit_length
                 hits.storage = max(0, m2.device_hit_length + m2.host_hit_length - before)
                 m, node = m2, m2.last_node
-    slots, load_slot = m.device_indices, None
+    slots = m.device_indices
     if not node.on_device and node.parent is not None:
         loaded = manager.load_back(node)
         if loaded is None:  # no device room: compute the host part instead
@@ -68,7 +68,9 @@ def begin(
             hits.host = hits.storage = 0
         else:
             slots = torch.cat([slots, loaded])
-            load_slot = manager.load_slot(node)
+    # Hazard: a device part still being loaded (by this request, or by another one begun
+    # earlier that shares it) must not be read before its layers land.
+    load_slot = manager.load_slot(node) if node.parent is not None else None
     manager.inc_lock_ref(node)
     prefix = len(slots)
     hits.missed = prompt_tokens - prefix

@@ -31,7 +31,7 @@ from tiered_kv.names import Direction, PendingKind, WritePolicy, parse
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.integrity import check_tree
-from tiered_kv.tree.node import TreeNode
+from tiered_kv.tree.node import TreeNode, path_to_root
 from tiered_kv.tree.tiered_tree import TieredTree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -170,8 +170,11 @@ class CacheManager:
     def insert(self, tokens, device_indices: torch.Tensor) -> int:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns how many
         leading tokens were already on the device: the caller frees its own slots for those.
+        Slots of tokens the tree declines (below a failed load's stale copy) are freed here.
         Under ``write_through`` the new node is backed up to host at once."""
-        dup, new = self.tree.insert(tokens, device_indices)
+        dup, new, kept = self.tree.insert(tokens, device_indices)
+        if kept < len(device_indices):
+            self.device.free(device_indices[kept:])
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             for node in new:
                 self.write_to_host(node)
@@ -227,6 +230,11 @@ class CacheManager:
         self.inc_lock_ref(n)
         try:
             device = self.alloc_device(total)
+            if device is not None and self.tree.holds_stale(n):
+                # Making room acknowledged a failed load of the device part above the chain:
+                # nothing is loaded below garbage.
+                self.device.free(device)
+                device = None
         finally:
             self.dec_host_ref(node)
             self.dec_lock_ref(n)
@@ -246,9 +254,14 @@ class CacheManager:
         return device
 
     def load_slot(self, node: TreeNode) -> int | None:
-        """The layer-done slot of the load in flight into ``node`` (None if none)."""
-        job_id = node.pending.get(PendingKind.LOAD)
-        return self.device_host.load_slot(job_id) if job_id is not None else None
+        """The layer-done slot a reader of ``node``'s path must wait on: that of the newest
+        load still in flight into the path (its own, or another request's that the path
+        shares), None if none. Loads run in order on one stream, so waiting for a layer of the
+        newest also waits for that layer of every earlier one."""
+        jobs = [
+            n.pending[PendingKind.LOAD] for n in path_to_root(node) if PendingKind.LOAD in n.pending
+        ]
+        return self.device_host.load_slot(max(jobs)) if jobs else None
 
     def _load_done(self, job: Job, result: TransferResult) -> None:
         for n in self.tree.end_job(result.job_id):

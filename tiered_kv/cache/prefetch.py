@@ -124,6 +124,11 @@ class Prefetcher:
             self.host.free(host[: pos - start])
         if pos == len(key):
             return 0
+        if self.tree.has_child(node, key[pos:]):
+            # The match stopped at a failed load's stale copy: the pages below it are not kept
+            # (nothing is built upon garbage).
+            self.host.free(host[pos - start :])
+            return 0
         child = self.tree.add_child(node, key[pos:])
         self.tree.set_host(child, host[pos - start :])
         self.tree.set_in_storage(child)

@@ -90,7 +90,9 @@ class TieredTree:
         dev_len = host_len = 0
         while pos < len(key):
             child = node.children.get(first_page(key[pos:], self.page_size))
-            if child is None:
+            if child is None or child.stale:
+                # A failed load's device copy is garbage even while its request holds it: the
+                # match ends before it (that part is computed again, never served).
                 break
             n = common_pages(child.key, key[pos:], self.page_size)
             steps.append((child, n))
@@ -146,10 +148,12 @@ class TieredTree:
         )
 
     # -- inserting ------------------------------------------------------------------------------
-    def insert(self, tokens, device_indices: torch.Tensor) -> tuple[int, list[TreeNode]]:
+    def insert(self, tokens, device_indices: torch.Tensor) -> tuple[int, list[TreeNode], int]:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns (how many
-        leading tokens were already on the device, the new nodes). The caller frees its own
-        slots for the duplicates. Host-only nodes on the way adopt the caller's slots."""
+        leading tokens were already on the device, the new nodes, how many leading tokens the
+        tree now records). The caller frees its own slots for the duplicates and for the tokens
+        after the recorded ones (the tree stops at a failed load's stale copy, so that nothing
+        is kept below garbage). Host-only nodes on the way adopt the caller's slots."""
         key = self.aligned(tokens)
         if len(key) != len(tokens) or len(device_indices) != len(key):
             raise InvalidArgumentError(
@@ -159,10 +163,13 @@ class TieredTree:
         node, pos, dup, new = self.root, 0, 0, []
         while pos < len(key):
             child = node.children.get(first_page(key[pos:], self.page_size))
+            if child is not None and child.stale:
+                return dup, new, pos
             if child is None:
                 child = self.add_child(node, key[pos:])
                 self.set_device(child, device_indices[pos:])
                 new.append(child)
+                pos = len(key)
                 break
             n = common_pages(child.key, key[pos:], self.page_size)
             if n < len(child):
@@ -172,15 +179,22 @@ class TieredTree:
             else:
                 self.set_device(child, device_indices[pos : pos + n])
             node, pos = child, pos + n
-        return dup, new
+        return dup, new, pos
+
+    def has_child(self, parent: TreeNode, key: tuple) -> bool:
+        """Whether ``parent`` has a child starting with ``key``'s first page."""
+        return first_page(key, self.page_size) in parent.children
 
     def add_child(self, parent: TreeNode, key: tuple) -> TreeNode:
         """A new node for ``key`` (whole pages, not yet in the tree) below ``parent``; it holds
         nothing until ``set_device`` / ``set_host``."""
+        page = first_page(key, self.page_size)
+        if page in parent.children:
+            raise StateError(f"{parent!r} already has a child for the page {page[:8]}...")
         child = TreeNode(key, parent)
         if self.digests:
             child.digests = page_digests(key, self.page_size, parent.last_digest())
-        parent.children[first_page(key, self.page_size)] = child
+        parent.children[page] = child
         return child
 
     # -- residency ------------------------------------------------------------------------------
@@ -247,6 +261,9 @@ class TieredTree:
         node.parent = None
 
     def mark_stale(self, node: TreeNode) -> None:
+        """``node``'s device copy came from a failed load (its host copy, the source, stays)."""
+        if not (node.on_device and node.on_host):
+            raise StateError(f"mark_stale on {node!r}: a failed load's node is on both tiers")
         node.stale = True
 
     def set_in_storage(self, node: TreeNode) -> None:

@@ -3,7 +3,8 @@
 Device: a node may go when it is unlocked, has no copy in flight touching its device slots and
 no child on the device (device residency stays prefix-closed). Host: a node may go when nothing
 protects it, no copy is in flight, and it is either still on the device (only the host copy is
-dropped) or a leaf (it leaves the tree). ``rank`` orders victims before the policy does (under
+dropped) or a leaf (it leaves the tree), and is not a failed load's node (whose host copy is
+the only good one until the stale device copy goes). ``rank`` orders victims before the policy does (under
 ``write_through`` host-only nodes go first, so the host stays inclusive while it can).
 
 :func:`victims` *yields* candidates; it frees nothing. The caller acts on each (frees its slots,
@@ -40,6 +41,7 @@ def host_evictable(n: TreeNode) -> bool:
         and n.on_host
         and n.host_ref == 0
         and not n.pending
+        and not n.stale  # its device copy is garbage: the host copy is the only good one
         and (n.on_device or not n.children)
     )
 
