@@ -46,7 +46,7 @@ from dataclasses import asdict
 
 import torch
 
-from tiered_kv import platform
+from tiered_kv import kernels, platform
 from tiered_kv.bench import machine, report
 from tiered_kv.bench.machine import NOISY_IQR, NOISY_SPREAD
 from tiered_kv.bench.transfer import (
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     watch = machine.LoadWatch()
     info = machine.machine_info(device)
     print("\n".join(machine.condition_lines(info)))
-    print(f"native block copier available: {platform.native_available()}")
+    print(f"native block copier available: {kernels.native_available()}")
     all_combos = combos(args.io_backends, args.kernel_backends, device)
     page = args.page_sizes[0]
     print(

@@ -8,7 +8,10 @@ correct but slow, it picks ``native`` for page transfers (when a C compiler is p
 
 - ``TIERED_KV_KERNEL_BACKEND``: ``auto`` (default), ``triton``, ``torch`` or ``native``;
 - ``TIERED_KV_DEVICE``: the default device (``cuda``, ``cuda:1``, ``cpu``); default ``cuda`` when
-  available, else ``cpu``.
+  available, else ``cpu``;
+- ``TIERED_KV_CACHE_DIR`` (else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``): where
+  the native copier is built and ``tiered-kv run`` keeps its store;
+- ``CC``: the C compiler tried first for the native copier.
 
 Tests override the choice with :func:`use_kernel_backend`. GPU-only imports stay lazy, so
 ``import tiered_kv`` works on any machine.
@@ -21,7 +24,8 @@ import enum
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -30,6 +34,7 @@ from tiered_kv.errors import BackendUnavailableError, InvalidArgumentError
 
 ENV_KERNEL_BACKEND = "TIERED_KV_KERNEL_BACKEND"
 ENV_DEVICE = "TIERED_KV_DEVICE"
+ENV_CACHE_DIR = "TIERED_KV_CACHE_DIR"
 
 
 class KernelBackend(str, enum.Enum):
@@ -42,6 +47,19 @@ _lock = threading.Lock()
 _override: KernelBackend | None = None
 _triton: ModuleType | None = None
 _triton_error: str | None = None
+
+
+def cache_dir() -> Path:
+    """``$TIERED_KV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tiered_kv"
+
+
+def c_compilers() -> list[str]:
+    """C compilers to try, in order: ``$CC`` first when set."""
+    return [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c]
 
 
 def cuda_available() -> bool:
@@ -125,23 +143,22 @@ def _parse_backend(value: str | KernelBackend, where: str) -> KernelBackend | No
         ) from None
 
 
-def native_available() -> bool:
-    """Whether the native block copier builds and loads in this process."""
-    from tiered_kv.kernels import native_build  # noqa: PLC0415 - lazy: may run a compiler
-
-    return native_build.load() is not None
+NativeProbe = Callable[[], "str | None"]  # None when the native copier loads, else why not
 
 
 def kernel_backend(
     device: torch.device,
     requested: str | KernelBackend | None = None,
     *,
-    native_ok: bool = False,
+    native: NativeProbe | None = None,
 ) -> KernelBackend:
     """The kernel path for tensors on ``device``: an explicit request, then the test override,
-    then ``TIERED_KV_KERNEL_BACKEND``, then ``auto``. ``native_ok`` says the caller has a native
-    implementation (page transfers); for others a ``native`` choice from the override or the
-    environment means torch, and an explicit ``native`` request is refused."""
+    then ``TIERED_KV_KERNEL_BACKEND``, then ``auto``. ``native``: the caller has a native
+    implementation (page transfers) and this probe says whether it loads (the kernels package
+    passes it, so this module never imports the kernels); for others a ``native`` choice from
+    the override or the environment means torch, and an explicit ``native`` request is
+    refused."""
+    native_ok = native is not None
     choice = None
     explicit = False
     if requested is not None:
@@ -154,7 +171,7 @@ def kernel_backend(
     if choice is None:
         if device.type == "cuda" and triton_runs_on(device):
             return KernelBackend.TRITON
-        if device.type == "cpu" and native_ok and native_available():
+        if device.type == "cpu" and native_ok and native() is None:
             return KernelBackend.NATIVE
         return KernelBackend.TORCH
     if choice is KernelBackend.TRITON and not triton_runs_on(device):
@@ -175,10 +192,9 @@ def kernel_backend(
             raise BackendUnavailableError(
                 f"kernel backend 'native' copies CPU memory only, not {device}; use 'triton'"
             )
-        if not native_available():
-            from tiered_kv.kernels import native_build  # noqa: PLC0415
-
-            raise BackendUnavailableError(f"{native_build.error()}; use kernel_backend='torch'")
+        reason = native()
+        if reason is not None:
+            raise BackendUnavailableError(f"{reason}; use kernel_backend='torch'")
     return choice
 
 

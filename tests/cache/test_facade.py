@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tiered_kv.cache import TieredKVCache
+from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import page_keys
-from tiered_kv.cache.metrics import RequestHits
 
 PAGE = 4
 LAYERS = 3

@@ -1,6 +1,6 @@
 """CacheManager over a TieredTree on real stacks: MHATokenToKVPool + paged allocator ->
-page_first host pool -> MemoryStorage, moved by the transfer workers. KV is random per token prefix (an oracle in
-``_tree_util``) and every copy is compared byte for byte."""
+page_first host pool -> MemoryStorage, moved by the transfer workers. KV is random per token
+prefix (an oracle in ``_tree_util``) and every copy is compared byte for byte."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from tests.cache._tree_util import (
     per_token,
     stack_factory,
 )
-from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.tree.node import path_to_root, walk
-from tiered_kv.storage.memory_store import MemoryStorage
 from tiered_kv.cache.manager import CacheManager
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.storage.memory_store import MemoryStorage
+from tiered_kv.tree.node import path_to_root, walk
 from tiered_kv.tree.tiered_tree import TieredTree
 
 

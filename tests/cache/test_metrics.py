@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.config import TieredKVConfig
 from tiered_kv.cache.metrics import HitCounters, RequestHits, as_dict, prometheus_text
+from tiered_kv.config import TieredKVConfig
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'

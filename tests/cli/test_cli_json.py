@@ -361,10 +361,30 @@ def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
     from tiered_kv.cli.main import main
 
     out = tmp_path / "sim.json"
-    argv = ["sim", "--users", "3", "--rounds", "2", "--shared-prompt", "64", "--history", "0",
-            "--answer", "16", "--capacities", "0.3", "--policies", "lru,s3fifo",
-            "--host-policy", "fifo", "--write-policy", "write_back", "--no-progress",
-            "--json", str(out)]
+    argv = [
+        "sim",
+        "--users",
+        "3",
+        "--rounds",
+        "2",
+        "--shared-prompt",
+        "64",
+        "--history",
+        "0",
+        "--answer",
+        "16",
+        "--capacities",
+        "0.3",
+        "--policies",
+        "lru,s3fifo",
+        "--host-policy",
+        "fifo",
+        "--write-policy",
+        "write_back",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["policy"], r["host_policy"]) for r in rows] == [("lru", "fifo"), ("s3fifo", "fifo")]

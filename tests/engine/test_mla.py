@@ -27,8 +27,17 @@ from .test_serve import (
 )
 
 MLA = MLAModelConfig(
-    vocab_size=512, hidden=64, num_layers=3, num_heads=4, head_dim=16, intermediate=96,
-    kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, seed=3,
+    vocab_size=512,
+    hidden=64,
+    num_layers=3,
+    num_heads=4,
+    head_dim=16,
+    intermediate=96,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    seed=3,
 )
 
 

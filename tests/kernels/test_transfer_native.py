@@ -37,7 +37,7 @@ from tests.kernels._transfer_util import (
     random_records,
     random_rows,
 )
-from tiered_kv import platform
+from tiered_kv import kernels
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.kernels import PlanCache, transfer_kernels
@@ -72,7 +72,7 @@ def _both(got: Transfer, expected: Transfer, to_host: bool, cache: PlanCache, ge
 
 def test_native_backend_is_available_here():
     assert shutil.which("gcc") is not None
-    assert platform.native_available() is True
+    assert kernels.native_available() is True
     assert transfer_kernels(torch.device("cpu"), "native").backend is KernelBackend.NATIVE
 
 

@@ -16,13 +16,13 @@ import torch
 
 from tiered_kv.cli.sim_cmd import sweep
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.tree.policies import POLICIES
-from tiered_kv.tree.node import walk
+from tiered_kv.names import WritePolicy
 from tiered_kv.sim.belady import access_sequence, belady_hits
 from tiered_kv.sim.simulator import CountingSlots, KeyStore, SimCache, SimResult
 from tiered_kv.sim.traces import TraceRequest, long_doc_qa, multi_round_qa, unique_blocks
 from tiered_kv.storage.keys import page_digests
-from tiered_kv.names import WritePolicy
+from tiered_kv.tree.node import walk
+from tiered_kv.tree.policies import POLICIES
 
 WRITE_POLICIES = WritePolicy.values()
 

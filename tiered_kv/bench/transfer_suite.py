@@ -38,6 +38,7 @@ from tiered_kv.bench.transfer import (
 from tiered_kv.bench.transfer_check import verify_transfer
 from tiered_kv.bench.verify import fill_random
 from tiered_kv.errors import BackendUnavailableError
+from tiered_kv.kernels import native_build
 from tiered_kv.names import HostLayout, IOBackend
 
 KERNEL_BACKENDS = ("native", "torch", "triton")
@@ -111,7 +112,7 @@ def combos(
     usable = []
     for c in out:
         try:
-            platform.kernel_backend(device, c.build_backend, native_ok=True)
+            platform.kernel_backend(device, c.build_backend, native=native_build.error)
         except BackendUnavailableError as exc:
             print(f"skipping kernel backend {c.build_backend}: {exc}", file=sys.stderr)
             continue

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from tiered_kv import platform
 
 
 def _int_at_least(minimum: int):
@@ -60,7 +61,4 @@ def name_list(choices: tuple[str, ...]):
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("TIERED_KV_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tiered_kv"
-    )
-    return Path(base)
+    return platform.cache_dir()

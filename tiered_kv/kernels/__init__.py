@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from tiered_kv import platform
+from tiered_kv.kernels import native_build
 from tiered_kv.kernels.transfer_reference import PlanCache
 from tiered_kv.platform import KernelBackend
 
@@ -35,11 +36,16 @@ class TransferKernels(NamedTuple):
     transfer_rows: Callable[..., None]
 
 
+def native_available() -> bool:
+    """Whether the native block copier builds and loads in this process."""
+    return native_build.error() is None
+
+
 def transfer_kernels(
     device: torch.device, backend: str | KernelBackend | None = None
 ) -> TransferKernels:
     """The page-transfer launcher for device tensors on ``device``; chosen once here."""
-    chosen = platform.kernel_backend(device, backend, native_ok=True)
+    chosen = platform.kernel_backend(device, backend, native=native_build.error)
     if chosen is KernelBackend.TRITON:
         platform.import_triton()
         from tiered_kv.kernels import transfer_triton as impl

@@ -17,10 +17,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tiered_kv import platform
 from tiered_kv.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).with_name("native") / "copy_blocks.c"
-ENV_CACHE_DIR = "TIERED_KV_CACHE_DIR"
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -28,16 +28,13 @@ _error: str | None = None
 
 
 def cache_dir() -> Path:
-    """``$TIERED_KV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``."""
-    if os.environ.get(ENV_CACHE_DIR):
-        return Path(os.environ[ENV_CACHE_DIR])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tiered_kv"
+    """Where the library is built (``platform.cache_dir``)."""
+    return platform.cache_dir()
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
+    for name in platform.c_compilers():
+        if shutil.which(name):
             return name
     return None
 

@@ -38,8 +38,24 @@ class Books:
     meta: lmdb._Database
     page_nbytes: int  # what a page without a readable header is charged as
 
+    @classmethod
+    def open(cls, env: lmdb.Environment, page_nbytes: int) -> Books:
+        """The store's four named databases in ``env`` (created on first open)."""
+        dbs = (env.open_db(name) for name in (b"pages", b"headers", b"lru", b"meta"))
+        return cls(*dbs, page_nbytes)
+
     def used(self, txn: lmdb.Transaction) -> int:
         return _u64(txn.get(_USED, db=self.meta))
+
+    def remove_prefix(self, txn: lmdb.Transaction, prefix: bytes) -> int:
+        """Remove every page whose key starts with ``prefix`` (a namespace); returns how many."""
+        cursor, keys = txn.cursor(db=self.headers), []
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(values=False):
+                if not bytes(key).startswith(prefix):
+                    break
+                keys.append(bytes(key))
+        return sum(self.remove(txn, key) for key in keys)
 
     def next_tick(self, txn: lmdb.Transaction) -> int:
         tick = _u64(txn.get(_TICK, db=self.meta)) + 1

@@ -15,6 +15,7 @@ writes report a full disk as an error instead. Each new mapping gets huge-page a
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass, field
@@ -148,3 +149,11 @@ def drop_inherited(shared: SharedEnv) -> None:
             inherited.env.close()
         except lmdb.Error:
             pass
+
+
+def disk_trouble(exc: BaseException) -> bool:
+    """Whether a write's exception is disk trouble the store absorbs (a full disk or quota, an
+    I/O error, any LMDB error) rather than a bug to raise."""
+    if isinstance(exc, lmdb.Error):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)

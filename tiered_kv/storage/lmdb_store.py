@@ -10,10 +10,10 @@ One LMDB environment (a directory) holds four named databases:
 A page and its header are written in one transaction, so a reader sees both or neither; every
 read verifies the header and checksum, and a page that fails is deleted, counted and missed.
 Reads refresh recency in memory; the refresh reaches LMDB with the next write (or ``flush``),
-and skips pages already among the newest quarter.
-The map grows as needed up to ``budget_bytes``; a full map or disk evicts old pages or skips the
-write and counts it, never raising into the caller. LMDB's own locks make several processes on
-one directory safe; an instance used after ``fork`` reopens the environment in the child.
+and skips pages already among the newest quarter. Page bytes move through ``lmdb_copy``. The
+map grows up to ``budget_bytes``; a full map or disk evicts old pages or skips the write and
+counts it, never raising. LMDB's locks make several processes on one directory safe; an
+instance used after ``fork`` reopens the environment in the child.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
-import numpy as np
-import xxhash
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import lmdb_env, value_format
@@ -34,11 +32,11 @@ from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats, pa
 from tiered_kv.storage.io_threads import check_io_threads, ordered_map, split_map
 from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.lmdb_books import Books
+from tiered_kv.storage.lmdb_copy import ChecksumsAhead, deliver
 from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
 
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
-_CHUNK = 256 << 10  # copy-then-hash chunk: small enough to still be in cache when hashed
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
@@ -103,11 +101,8 @@ class LMDBStorage(PageStorage):
         self._env = self._shared.env
         self._lock = self._shared.lock
         self._data_file = data
-        self._pages = self._env.open_db(b"pages")
-        self._headers = self._env.open_db(b"headers")
-        self._lru = self._env.open_db(b"lru")
-        self._meta = self._env.open_db(b"meta")
-        self._books = Books(self._pages, self._headers, self._lru, self._meta, self.page_nbytes)
+        self._books = Books.open(self._env, self.page_nbytes)
+        self._pages, self._headers = self._books.pages, self._books.headers
         self._pid = os.getpid()
 
     def _env_for_this_process(self) -> lmdb.Environment:
@@ -167,18 +162,13 @@ class LMDBStorage(PageStorage):
             except lmdb.MapFullError:
                 if not self._grow():
                     raise
-            except (lmdb.DiskError, lmdb.Error, OSError) as exc:
-                if isinstance(exc, OSError) and exc.errno not in (
-                    errno.ENOSPC,
-                    errno.EDQUOT,
-                    errno.EIO,
-                ):
+            except (lmdb.Error, OSError) as exc:
+                if not lmdb_env.disk_trouble(exc):
                     raise
                 self._stats.count_error(f"{what}: {type(exc).__name__}")
                 return None
         return None
 
-    # -- bookkeeping inside a write transaction (storage.lmdb_books) -------------------------
     def _evict_for(self, txn: lmdb.Transaction, need: int) -> bool:
         """Evict oldest pages (any namespace) until ``need`` more bytes fit the budget."""
         fits, evicted = self._books.evict_oldest(txn, need, int(self.budget_bytes * _FILL))
@@ -242,6 +232,7 @@ class LMDBStorage(PageStorage):
         bad: list[bytes] = []
         zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))
         rows = page_rows(source)
+        fp = self.namespace.fingerprint
 
         def serve(txn: lmdb.Transaction) -> None:
             jobs = []
@@ -259,7 +250,7 @@ class LMDBStorage(PageStorage):
             # pages alive; a source that is not a writable view takes its pages one at a time.
             threads = self._io_threads if zero_copy else 1
             delivered = split_map(
-                lambda job: self._deliver(job[1], job[2], source, job[3], job[4]),
+                lambda job: deliver(fp, job[1], job[2], source, job[3], job[4]),
                 jobs,
                 threads,
             )
@@ -288,29 +279,6 @@ class LMDBStorage(PageStorage):
                 self._write(self._flush_touched, "recency")
         return out
 
-    def _deliver(
-        self, header, payload, source: PageSource, page: int, dst: np.ndarray | None
-    ) -> bool:
-        """Copy a stored page into host page ``page`` (one copy, straight from LMDB's map) and
-        verify it. Where the host page is a writable view (``dst``), the copy goes in cache-sized
-        chunks and each chunk is hashed right after it lands, from cache, instead of in a second
-        pass over memory. On failure the host page may hold partial bytes (reported a miss)."""
-        fp = self.namespace.fingerprint
-        if header is None or header.fingerprint != fp or header.length != len(payload):
-            return False
-        if dst is None:
-            if not value_format.verify(header, fp, payload):
-                return False
-            source.set_page_bytes(page, payload)
-            return True
-        src = np.frombuffer(payload, dtype=np.uint8)
-        hasher = xxhash.xxh3_64()
-        for start in range(0, src.size, _CHUNK):
-            part = dst[start : start + _CHUNK]
-            part[:] = src[start : start + _CHUNK]
-            hasher.update(part)
-        return hasher.intdigest() == header.checksum
-
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
@@ -328,15 +296,7 @@ class LMDBStorage(PageStorage):
                 return memoryview(rows[page])
             return memoryview(source.get_page_bytes(page).numpy())
 
-        sums: dict[int, int] = {}
-        pending: Iterator[tuple[int, int]] = iter(())
-
-        def checksum_of(i: int, view: memoryview) -> int:
-            # Hashes run ahead on the I/O threads while this thread inserts earlier pages.
-            while i not in sums:
-                j, value = next(pending, (i, None))
-                sums[j] = value_format.checksum(view) if value is None else value
-            return sums[i]
+        sums = ChecksumsAhead()
 
         def write(txn: lmdb.Transaction) -> list[bool]:
             self._flush_touched(txn)
@@ -355,7 +315,7 @@ class LMDBStorage(PageStorage):
                     key,
                     view,
                     lambda tick, i=i, view=view: value_format.pack(
-                        fp, view, tick, checksum_of(i, view)
+                        fp, view, tick, sums.of(i, view)
                     ),
                 )
                 done.append(True)
@@ -373,7 +333,7 @@ class LMDBStorage(PageStorage):
             headers = self._headers
             present = self._read(lambda txn: [txn.get(k, db=headers) is not None for k in keys])
             missing = [i for i, there in enumerate(present) if not there]
-            pending = ordered_map(hash_page, missing, self._io_threads)
+            sums.start(ordered_map(hash_page, missing, self._io_threads))
             self._grow_for(len(missing) * self._record_bytes())
             result = None
             for attempt in range(2):
@@ -401,21 +361,9 @@ class LMDBStorage(PageStorage):
 
     def clear(self) -> None:
         fp = self.namespace.fingerprint
-
-        def wipe(txn: lmdb.Transaction) -> None:
-            cursor = txn.cursor(db=self._headers)
-            keys = []
-            if cursor.set_range(fp):
-                for key in cursor.iternext(values=False):
-                    if not bytes(key).startswith(fp):
-                        break
-                    keys.append(bytes(key))
-            for key in keys:
-                self._books.remove(txn, key)
-
         with self._lock:
             self._touched = {}
-            self._write(wipe, "clear")
+            self._write(lambda txn: self._books.remove_prefix(txn, fp), "clear")
 
     def flush(self) -> None:
         """Write pending recency refreshes to LMDB and sync the map to disk."""

@@ -4,8 +4,9 @@ Device: a node may go when it is unlocked, has no copy in flight touching its de
 no child on the device (device residency stays prefix-closed). Host: a node may go when nothing
 protects it, no copy is in flight, and it is either still on the device (only the host copy is
 dropped) or a leaf (it leaves the tree), and is not a failed load's node (whose host copy is
-the only good one until the stale device copy goes). ``rank`` orders victims before the policy does (under
-``write_through`` host-only nodes go first, so the host stays inclusive while it can).
+the only good one until the stale device copy goes). ``rank`` orders victims before the policy
+does (under ``write_through`` host-only nodes go first, so the host stays inclusive while it
+can).
 
 :func:`victims` *yields* candidates; it frees nothing. The caller acts on each (frees its slots,
 writes it back first, or skips it) before asking for the next; a parent that became evictable
