@@ -88,7 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help=f"{QUICK_REPEATS} repeats; triton only at batch sizes {QUICK_TRITON_BATCHES}",
     )
-    p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list of dicts")
+    p.add_argument("--json", metavar="PATH", help="also write {rows, config, machine} as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args(argv)
@@ -200,8 +200,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     noise = machine.noise_check(None, list(loads.values()))
     if noise.noisy:
         print("noise: " + "; ".join(noise.reasons))
-    # The JSON stays a list of row dicts (its documented shape); the machine lines are above.
-    report.dump_json(args.json, [asdict(r) for r in rows])
+    report.write_json(
+        args.json,
+        {"rows": [asdict(r) for r in rows]},
+        config=report.config_of(args),
+        machine={**machine.machine_info(device), **loads},
+    )
     return rows
 
 

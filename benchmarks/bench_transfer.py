@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help=", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()),
     )
-    p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list of dicts")
+    p.add_argument("--json", metavar="PATH", help="also write {rows, config, machine} as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args(argv)
@@ -317,8 +317,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         print("load average at end " + " ".join(f"{v:.2f}" for v in loads["load_after"]))
     if run_noise.noisy:
         print("noise: " + "; ".join(run_noise.reasons))
-    # The JSON stays a list of row dicts (its documented shape); the machine lines are above.
-    report.dump_json(args.json, [asdict(r) for r in rows])
+    report.write_json(
+        args.json,
+        {"rows": [asdict(r) for r in rows]},
+        config=report.config_of(args),
+        machine={**machine.machine_info(device), **loads},
+    )
     return rows
 
 

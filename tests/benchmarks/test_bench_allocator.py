@@ -19,6 +19,8 @@ def test_bench_allocator_small_run(tmp_path, capsys):
     ops = {(r.backend, r.page_size, r.batch, r.op) for r in rows}
     assert len(ops) == 2 * 2 * 2 * 3
     assert all(r.median_us > 0 for r in rows)
-    assert len(json.loads(out.read_text())) == len(rows)
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == len(rows)
+    assert data["config"] and {"cpu_count", "python", "versions"} <= set(data["machine"])
     printed = capsys.readouterr().out
     assert "ratio triton/torch" in printed and "correctness: all configurations verified" in printed

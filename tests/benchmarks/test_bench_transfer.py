@@ -32,7 +32,9 @@ def test_bench_transfer_small_run(tmp_path, capsys):
     targets = [r for r in rows if r.target is not None]
     assert {(r.layout, r.page_size) for r in targets} == {("page_first", 16)}
     assert all(r.target == ("PASS" if r.ratio >= 0.8 else "MISS") for r in targets)
-    assert len(json.loads(out.read_text())) == len(rows)
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == len(rows)
+    assert data["config"] and {"cpu_count", "python", "versions"} <= set(data["machine"])
     printed = capsys.readouterr().out
     assert "correctness: all 18 configurations verified" in printed
     assert "target: page_first" in printed and "native block copier available" in printed

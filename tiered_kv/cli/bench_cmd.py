@@ -17,7 +17,8 @@ import tempfile
 import torch
 from tqdm import tqdm
 
-from tiered_kv.bench.machine import LoadWatch, noise_check
+from tiered_kv.bench.machine import LoadWatch, machine_info, noise_check
+from tiered_kv.bench.report import config_of
 from tiered_kv.bench.storage import host_case, kv_store_times
 from tiered_kv.bench.timing import gbps, interleave, median
 from tiered_kv.bench.transfer import (
@@ -219,5 +220,7 @@ def main(args: argparse.Namespace) -> int:
     noise += list(noise_check(None, list(loads.values())).reasons)
     if noise:
         print("noisy (read those ratios with care or rerun): " + "; ".join(noise))
+    result["config"] = config_of(args)
+    result["machine"] = {**machine_info(device), **loads}
     write_json(args.json, result)
     return 0
