@@ -944,3 +944,59 @@ def test_a_prefix_shared_with_a_load_in_flight_waits_for_that_load(make_cache, g
         cache.finish(r)
     cache.drain()
     assert_no_leak(cache)
+
+
+def test_begin_gives_back_everything_when_a_load_cannot_be_submitted(make_cache, gen, monkeypatch):
+    """A transfer worker that raises on a load (a bug) makes begin raise, with every row, lock
+    and slot it took given back; one that refuses (closed) turns the host part into a miss."""
+    cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    (a,) = make_prompts(gen, [29])
+    model.serve(a)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)  # a's pages are host-only now
+    before = cache.free_sizes()
+    real = cache.device_host.submit
+
+    def raising(job):
+        raise RuntimeError("worker broke")
+
+    monkeypatch.setattr(cache.device_host, "submit", raising)
+    with pytest.raises(RuntimeError, match="worker broke"):
+        cache.begin(a)
+    cache.drain()
+    assert cache.free_sizes() == before
+    assert all(n.lock_ref == 0 and n.host_ref == 0 and not n.pending for n in cache.tree.nodes())
+    assert not any(n.on_device for n in cache.tree.nodes())
+    monkeypatch.setattr(cache.device_host, "submit", lambda job: False)
+    req = model.begin(a)
+    assert req.prefix_len == 0 and req.hits.host == 0 and req.hits.missed == 29, req.hits
+    monkeypatch.setattr(cache.device_host, "submit", real)
+    model.compute(req, a)
+    finish_request(model, req, a)
+    cache.drain()
+    assert model.serve(a).hits.device == aligned(29) - aligned(29) % PAGE
+    assert_no_leak(cache)
+
+
+def test_drain_names_what_is_still_in_flight(make_cache, gen, monkeypatch):
+    """A backup stuck in the store: drain gives up after its timeout with a StateError naming
+    the jobs in flight, and finishes once the store answers."""
+    cache = make_cache()
+    model = Model(cache, gen)
+    release = threading.Event()
+    real = cache.storage.batch_set
+
+    def stuck(keys, source, pages):
+        release.wait(20)
+        return real(keys, source, pages)
+
+    monkeypatch.setattr(cache.storage, "batch_set", stuck)
+    (a,) = make_prompts(gen, [21])
+    model.serve(a)
+    with pytest.raises(StateError, match=r"still in flight .*backup: \d"):
+        cache.drain(timeout_s=0.3)
+    release.set()
+    cache.drain()
+    assert cache.manager.pending_ops() == 0
+    assert_no_leak(cache)

@@ -221,7 +221,7 @@ class TieredKVCache:
         deadline = time.monotonic() + timeout_s
         while self.manager.pending_ops():
             before = self.manager.pending_ops()
-            self.manager.wait_all()
+            self.manager.wait_all(max(0.0, deadline - time.monotonic()))
             self.manager.poll()
             if self.manager.pending_ops() >= before:
                 time.sleep(0.001)  # a storage thread is between its batch and its report

@@ -79,11 +79,15 @@ class JobTable:
                 for result in worker.poll():
                     self.deliver(result)
 
-    def wait_all(self) -> None:
-        """Block until every job in flight has finished (results still come from ``poll``)."""
+    def wait_all(self, timeout_s: float | None = None) -> bool:
+        """Block until every job in flight has finished (results still come from ``poll``), or
+        ``timeout_s`` passed (storage jobs; device <-> host copies are always waited for).
+        True when everything finished."""
+        done = True
         for worker in (self.device_host, self.host_storage):
             if worker is not None:
-                worker.wait(None)
+                done = worker.wait(None, timeout_s) and done
+        return done
 
     def __len__(self) -> int:
         return len(self._jobs)

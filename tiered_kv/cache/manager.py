@@ -27,7 +27,7 @@ from tiered_kv.cache.jobs import Job, JobTable
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.prefetch import Prefetcher
 from tiered_kv.errors import IntegrityError, InvalidArgumentError
-from tiered_kv.names import Direction, PendingKind, WritePolicy, parse
+from tiered_kv.names import PendingKind, WritePolicy, parse
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.integrity import check_tree
@@ -94,9 +94,10 @@ class CacheManager:
         """Acknowledge every finished job (never blocks)."""
         self.jobs.poll()
 
-    def wait_all(self) -> None:
-        """Block until every job in flight has finished (acknowledged by the next ``poll``)."""
-        self.jobs.wait_all()
+    def wait_all(self, timeout_s: float | None = None) -> bool:
+        """Block until every job in flight has finished (acknowledged by the next ``poll``) or
+        ``timeout_s`` passed; True when all finished."""
+        return self.jobs.wait_all(timeout_s)
 
     def pending_ops(self) -> int:
         return len(self.jobs)
@@ -194,9 +195,7 @@ class CacheManager:
         job_id = self.jobs.new(PendingKind.WRITE, node, self._write_done)
         self.inc_lock_ref(node)
         self.tree.begin_job(job_id, PendingKind.WRITE, [node])
-        if not self.device_host.submit(TransferJob.write(job_id, node.device, host)):
-            self.jobs.fail(job_id, Direction.DEVICE_TO_HOST, None)
-        elif wait:
+        if self._submit_copy(TransferJob.write(job_id, node.device, host)) and wait:
             self.device_host.wait([job_id])  # write_back: the device slots are freed next
             self.poll()
         return node.on_host
@@ -216,7 +215,8 @@ class CacheManager:
         """Bring the host-only chain ending at ``node`` back to the device, all or nothing, as
         one layer-wise load job. Returns the new device slots (top-down order), an empty tensor
         if ``node`` is on the device, or None when the device cannot make room (nothing
-        changed). The caller should lock ``node`` while it uses it."""
+        changed, or the worker refused the load and what was set up for it is undone). The
+        caller should lock ``node`` while it uses it."""
         chain, n = [], node
         while n.parent is not None and not n.on_device:
             chain.append(n)
@@ -248,10 +248,24 @@ class CacheManager:
         self.tree.begin_job(job_id, PendingKind.LOAD, chain)
         self.inc_lock_ref(node)
         self.inc_host_ref(node)
-        host = torch.cat([c.host for c in chain])
-        if not self.device_host.submit(TransferJob.load(job_id, host, device)):
-            self.jobs.fail(job_id, Direction.HOST_TO_DEVICE, None)
+        if not self._submit_copy(
+            TransferJob.load(job_id, torch.cat([c.host for c in chain]), device)
+        ):
+            return None  # refused: its handler dropped the new copies, compute the part instead
         return device
+
+    def _submit_copy(self, job: TransferJob) -> bool:
+        """Submit a device <-> host job. A refusal is a failed result; a worker that raises
+        (bad indices: a bug) gets the job failed first, so its handler undoes what was set up
+        for it (locks, marks, the new slots), and the error goes on to the caller."""
+        try:
+            ok = self.device_host.submit(job)
+        except BaseException:
+            self.jobs.fail(job.job_id, job.direction, None)
+            raise
+        if not ok:
+            self.jobs.fail(job.job_id, job.direction, None)
+        return ok
 
     def load_slot(self, node: TreeNode) -> int | None:
         """The layer-done slot a reader of ``node``'s path must wait on: that of the newest

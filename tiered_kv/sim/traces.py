@@ -44,7 +44,9 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
                 if not isinstance(ids, list) or not all(
                     isinstance(i, int) and not isinstance(i, bool) for i in ids
                 ):
-                    raise TypeError("hash_ids must be a list of ints")
+                    raise InvalidArgumentError(
+                        f"{path}:{n}: not a Mooncake trace line (hash_ids must be ints)"
+                    )
                 out.append(
                     TraceRequest(
                         tuple(ids),
