@@ -183,3 +183,16 @@ def test_names_parse_and_reject(cls):
         assert names.parse(cls, v, "x") is cls(v) and cls(v) == v
     with pytest.raises(names.InvalidArgumentError, match=r"x='nope' is invalid: use one of"):
         names.parse(cls, "nope", "x")
+
+
+def test_every_module_has_its_sentence_in_structure_md():
+    doc = (PACKAGE.parent / "docs" / "structure.md").read_text()
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if path.name == "__init__.py" and len(rel.parts) > 1:
+            continue  # a package's __init__ re-exports; the package has its heading
+        name = "/".join(rel.parts[-2:]) if rel.parts[-2:-1] == ("allocator",) else path.name
+        if f"`{name}`" not in doc:
+            missing.append(str(rel))
+    assert not missing, f"modules without a row in docs/structure.md: {missing}"

@@ -1,4 +1,4 @@
-"""Unit tests of the per-tier eviction policies (tiered_kv/eviction.py) on stand-in nodes.
+"""Unit tests of the per-tier eviction policies (tiered_kv/tree/policies.py) on stand-in nodes.
 
 ``evict`` drives a policy the way the tree's eviction loop does: take the lowest priority, let
 the policy keep it (``second_chance``) or remove it, repeat.
