@@ -104,10 +104,14 @@ def measure_layerwise(
         for buf in pool.buffers():  # scramble: the layer-wise load must really land
             buf[r.dst] = buf[r.src].flip(0)
         sync()
+        # Fresh index tensors, as the cache manager submits them (it joins a chain's host slots
+        # into a new tensor): the host pool prepares the transfer anew, as in serving, instead
+        # of reusing what the all-layer copy of this round prepared for the same tensors.
+        job = TransferJob.load(r.job_id, r.host.clone(), r.dst.clone())
         gc.disable()
         try:
             t = time.perf_counter()
-            worker.submit(TransferJob.load(r.job_id, r.host, r.dst))
+            worker.submit(job)
             pool.get_key_buffer(first)
             pool.get_value_buffer(first)
             sync()
