@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from tests.host._util import canonical, host_snapshot  # noqa: F401 - re-exported for the tests here
+from tests.storage._util import ByteSource  # noqa: F401 - re-exported
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.host import host_pool_for
@@ -92,24 +94,6 @@ def part_columns(pool) -> dict[str, tuple[int, int]]:
     k = pool.k_buffer[0].numel() // pool.k_buffer[0].shape[0]
     v = pool.v_buffer[0].numel() // pool.v_buffer[0].shape[0]
     return {"k": (0, k), "v": (k, k + v)}
-
-
-def canonical(buf: torch.Tensor, layout: str, page_size: int) -> torch.Tensor:
-    """An integer copy ``(L, T, E)`` of a host buffer, from the layout's documented shape:
-    layer_first (L, T, E), page_first (T, L, E), page_first_direct (T/P, L, P, E)."""
-    b = ints(buf)
-    if layout == "layer_first":
-        return b.clone()
-    if layout == "page_first":
-        return b.permute(1, 0, 2).clone()
-    assert layout == "page_first_direct"
-    pages, layers, p, e = b.shape
-    assert p == page_size
-    return b.permute(1, 0, 2, 3).reshape(layers, pages * p, e).clone()
-
-
-def host_snapshot(host) -> torch.Tensor:
-    return canonical(host.buffer, host.layout.value, host.page_size)
 
 
 def host_kv(host, local: int, host_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,33 +335,6 @@ def assert_same_bits(got: torch.Tensor, exp: torch.Tensor, what: str) -> None:
     if not torch.equal(g, e):
         bad = (g != e).reshape(g.shape[0], g.shape[1], -1).any(-1).nonzero()[:8].tolist()
         raise AssertionError(f"{what}: (layer, slot) differ at {bad}")
-
-
-class ByteSource:
-    """A PageSource over a ``(pages, page_nbytes)`` uint8 tensor: where stored pages are read
-    back to, independent of any host pool layout."""
-
-    def __init__(self, page_nbytes: int, num_pages: int) -> None:
-        self.buf = torch.zeros(num_pages, page_nbytes, dtype=torch.uint8)
-
-    @property
-    def page_nbytes(self) -> int:
-        return self.buf.shape[1]
-
-    @property
-    def num_pages(self) -> int:
-        return self.buf.shape[0]
-
-    def get_page_bytes(self, page: int) -> torch.Tensor:
-        return self.buf[page]
-
-    def set_page_bytes(self, page: int, data: object) -> None:
-        if isinstance(data, torch.Tensor):
-            src = data.reshape(-1)
-        else:
-            src = torch.frombuffer(bytearray(memoryview(data).cast("B")), dtype=torch.uint8)
-        assert src.numel() == self.page_nbytes
-        self.buf[page].copy_(src)
 
 
 def stored_bytes(store, keys: list[bytes], page_nbytes: int) -> list[torch.Tensor] | None:

@@ -13,23 +13,12 @@ Record (token h, layer l) starts at element ``(h // P) * s_page + (h % P) * s_to
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple
 
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
-
-
-class HostLayout(str, enum.Enum):
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
-    PAGE_FIRST_DIRECT = "page_first_direct"
-
-    @property
-    def token_major(self) -> bool:
-        """Whether a page's records are one contiguous block (pages can be moved as bytes)."""
-        return self is not HostLayout.LAYER_FIRST
+from tiered_kv.names import HostLayout  # the vocabulary lives in names; re-exported here
 
 
 def parse_layout(value: str | HostLayout) -> HostLayout:
