@@ -938,7 +938,7 @@ def test_a_prefix_shared_with_a_load_in_flight_waits_for_that_load(make_cache, g
     second = cache.begin(a)  # the whole prefix is "on the device" already: first's load
     assert first.hits.host == aligned(33) and second.hits.device == aligned(33)
     assert first.load_slot is not None and second.load_slot == first.load_slot
-    cache.prepare_forward(second)
+    assert cache.device_host.layer_done_counter.consumer == first.load_slot  # begin pointed it
     model.check(second)  # exact bytes: the reads waited for first's layers
     for r in (second, first):
         cache.finish(r)

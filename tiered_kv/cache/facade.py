@@ -110,6 +110,10 @@ class TieredKVCache:
                 (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)
             )
         kv.kv_allocated_len = prefix
+        if grant.load_slot is not None:
+            # The layer waits follow this request (its own load, or the one in flight that its
+            # prefix shares); an earlier-begun request's forward calls prepare_forward first.
+            self.device_host.layer_done_counter.set_consumer(grant.load_slot)
         self.hits.add(grant.hits)
         return req
 
