@@ -374,7 +374,15 @@ def test_max_new_tokens_for_memory_formula():
     assert alloc.max_new_tokens_for_memory(100, 10, **kw) == 10
     # 1007 tokens take 1008 slots: 1025 - 1008 - 16 - 1 = 0 new tokens, but the prompt fits.
     assert alloc.max_new_tokens_for_memory(1007, 10, **{**kw, "token_capacity": 1025}) == 0
-    assert alloc.max_new_tokens_for_memory(1007, 10, **kw) is None
+    # The seed's max(0, ...): a prompt that fits gets 0 new tokens once the budget is used up
+    # (1007 tokens in 1024 at page 16), never None (issue 12).
+    assert alloc.max_new_tokens_for_memory(1007, 10, **kw) == 0
+    # Boundaries: a budget of exactly 0 and 1; a prompt filling the pool; one page too many.
+    assert alloc.max_new_tokens_for_memory(992, 10, **{**kw, "token_capacity": 1010}) == 1
+    assert alloc.max_new_tokens_for_memory(992, 10, **{**kw, "token_capacity": 1009}) == 0
+    assert alloc.max_new_tokens_for_memory(1024, 10, **kw) == 0
+    assert alloc.max_new_tokens_for_memory(1025, 10, **kw) is None
+    assert alloc.max_new_tokens_for_memory(0, 10, **{**kw, "token_capacity": 0}) == 0
     with pytest.raises(InvalidArgumentError, match="input_tokens=-1"):
         alloc.max_new_tokens_for_memory(-1, 10, **kw)
 

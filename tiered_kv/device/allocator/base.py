@@ -285,8 +285,9 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
         chunk_size: int | None = None,
     ) -> int | None:
         """Clip generation to an empty pool of ``token_capacity`` tokens: the prompt rounded up
-        to pages, one more page for the page the last token may open, and one slot. None when the
-        prompt itself cannot fit. ``sliding_window_size``/``chunk_size`` matter only to
+        to pages, one more page for the page the last token may open, and one slot, as the seed
+        computes it (0 when that budget is used up). None only when the prompt itself, rounded
+        up to pages, cannot fit. ``sliding_window_size``/``chunk_size`` matter only to
         sliding-window composites."""
         for name, value in (
             ("input_tokens", input_tokens),
@@ -296,10 +297,9 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name}={value!r} must be an int >= 0")
         paged_input = -(-input_tokens // self.page_size) * self.page_size
-        budget = token_capacity - paged_input - self.page_size - 1
-        if budget < 0:
+        if paged_input > token_capacity:
             return None
-        return max(0, min(max_new_tokens, budget))
+        return max(0, min(max_new_tokens, token_capacity - paged_input - self.page_size - 1))
 
     def _pages_for(self, num_tokens: int) -> int:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
