@@ -1000,3 +1000,40 @@ def test_drain_names_what_is_still_in_flight(make_cache, gen, monkeypatch):
     cache.drain()
     assert cache.manager.pending_ops() == 0
     assert_no_leak(cache)
+
+
+@pytest.mark.parametrize("bad", [[-1], [1 << 32], [5, 7, -3, 9], [2**40]])
+def test_token_ids_outside_uint32_are_refused_with_nothing_taken(make_cache, gen, bad):
+    cache = make_cache()
+    model = Model(cache, gen)
+    (a,) = make_prompts(gen, [13])
+    before = cache.free_sizes()
+    with pytest.raises(InvalidArgumentError, match="outside 0..4294967295"):
+        cache.begin(a[:6] + bad)
+    assert cache.free_sizes() == before
+    req = model.begin(a)
+    slots_before = cache.free_sizes()
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        cache.extend(req, bad)
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        cache.decode(req, next(t for t in bad if not 0 <= t < 1 << 32))
+    assert cache.free_sizes() == slots_before and len(req.tokens) == req.prefix_len
+    model.compute(req, a)
+    finish_request(model, req, a)  # still finishes (and inserts) normally
+    cache.drain()
+    assert_no_leak(cache)
+
+
+def test_a_request_from_another_cache_is_refused(make_cache, gen):
+    one, two = make_cache(), make_cache(storage_path=None, storage_bytes=0)
+    (a,) = make_prompts(gen, [13])
+    req = one.begin(a)
+    before = (one.free_sizes(), two.free_sizes())
+    for call in (two.finish, two.abort, two.prepare_forward):
+        with pytest.raises(StateError, match="not from this cache"):
+            call(req)
+    with pytest.raises(StateError, match="not from this cache"):
+        two.extend(req, [1, 2])
+    assert (one.free_sizes(), two.free_sizes()) == before
+    one.abort(req)
+    assert one.free_sizes() == one._initial

@@ -47,6 +47,7 @@ class Request:
     finished: bool = False
     extra: dict = field(default_factory=dict)
     grant: PrefixGrant | None = None
+    owner: object = None  # the cache that began it (a request is only ever its cache's)
 
     @property
     def row(self) -> int:
@@ -104,7 +105,7 @@ class TieredKVCache:
         req = Request(
             tokens[:prefix], kv, grant.slots, prefix, grant.hits, grant.node, grant.load_slot
         )
-        req.grant = grant
+        req.grant, req.owner = grant, self
         if prefix:
             self.req_to_token.write(
                 (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)
@@ -207,8 +208,11 @@ class TieredKVCache:
 
     def _check_live(self, req: Request) -> None:
         self._check_open()
-        if not isinstance(req, Request) or req.finished:
-            raise StateError(f"request {req!r:.60} is finished or not from this cache")
+        if not isinstance(req, Request) or req.finished or req.owner is not self:
+            raise StateError(
+                f"request {req!r:.60} is finished or not from this cache; pass a live request "
+                "that this cache's begin returned"
+            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -284,9 +288,19 @@ class TieredKVCache:
                 self.storage.close()
 
 
+MAX_TOKEN_ID = 0xFFFFFFFF  # page keys hash token ids as uint32
+
+
 def _token_ids(tokens) -> list[int]:
-    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor)."""
+    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor),
+    each in ``0..MAX_TOKEN_ID``; checked here, once, for every path (before anything changes)."""
     try:
-        return [operator.index(t) for t in tokens]
+        ids = [operator.index(t) for t in tokens]
     except TypeError as exc:
         raise InvalidArgumentError(f"tokens must be integer ids: {exc}") from None
+    bad = [t for t in ids if not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise InvalidArgumentError(
+            f"token ids {bad[:8]} are outside 0..{MAX_TOKEN_ID} (uint32); nothing was changed"
+        )
+    return ids
