@@ -14,9 +14,11 @@ A job that raises marks its event failed; the error comes back from ``synchroniz
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -122,6 +124,18 @@ class CopyStream(ABC):
         """Stop accepting jobs; jobs already submitted finish first."""
 
 
+# Streams not closed by their owner are closed at interpreter exit, before daemon threads are
+# frozen: a copy thread frozen inside torch makes the process abort instead of exiting with its
+# own status.
+_OPEN: weakref.WeakSet[ThreadCopyStream] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for stream in list(_OPEN):
+        stream.close()
+
+
 class ThreadCopyStream(CopyStream):
     def __init__(self, name: str) -> None:
         self.name = name
@@ -130,6 +144,7 @@ class ThreadCopyStream(CopyStream):
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"tiered-kv-{name}", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def _run(self) -> None:
         while True:
