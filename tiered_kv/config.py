@@ -170,7 +170,7 @@ class PolicyConfig:
     host_policy: str = "lru"
     write_policy: str = "write_through"  # WritePolicy
     selective_hits: int = 2
-    prefetch_policy: str = "best_effort"  # PrefetchPolicy
+    prefetch_policy: str = "timeout"  # PrefetchPolicy: a bounded wait serves a restart's hits
     prefetch_threshold: int = 256  # tokens: smaller storage hits are recomputed
     prefetch_timeout_base_s: float = 0.5
     prefetch_timeout_per_1k_s: float = 0.25

@@ -1037,3 +1037,29 @@ def test_a_request_from_another_cache_is_refused(make_cache, gen):
     assert (one.free_sizes(), two.free_sizes()) == before
     one.abort(req)
     assert one.free_sizes() == one._initial
+
+
+def test_the_default_prefetch_policy_serves_a_restart_from_storage(tmp_path, gen):
+    """A cache built with the default policies over a store another cache filled gets the
+    stored prefix (best_effort, the old default, got none of it within one begin)."""
+    cfg = make_config(tmp_path)
+    defaults = TieredKVConfig.flat(
+        **{k: v for k, v in cfg.as_flat().items() if "prefetch" not in k}
+    )
+    assert defaults.policies.prefetch_policy == "timeout"
+    (a,) = make_prompts(gen, [49])
+    first = TieredKVCache(defaults.replace(prefetch_threshold=PAGE))
+    try:
+        model = Model(first, gen)
+        model.serve(a)
+        first.drain()
+    finally:
+        first.close()
+    again = TieredKVCache(defaults.replace(prefetch_threshold=PAGE))
+    try:
+        restarted = Model(again, gen)
+        restarted._kv = model._kv  # the same KV oracle: what the first process wrote
+        h = restarted.serve(a).hits
+        assert h.storage == aligned(49), h
+    finally:
+        again.close()
