@@ -10,6 +10,7 @@ transaction, so a page, its header, its LRU entry and the counters change togeth
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -46,6 +47,15 @@ class Books:
 
     def used(self, txn: lmdb.Transaction) -> int:
         return _u64(txn.get(_USED, db=self.meta))
+
+    def leading_present(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, have a page (a header) in the store."""
+        n = 0
+        for key in keys:
+            if txn.get(key, db=self.headers) is None:
+                break
+            n += 1
+        return n
 
     def remove_prefix(self, txn: lmdb.Transaction, prefix: bytes) -> int:
         """Remove every page whose key starts with ``prefix`` (a namespace); returns how many."""

@@ -16,6 +16,7 @@ writes report a full disk as an error instead. Each new mapping gets huge-page a
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -157,3 +158,22 @@ def disk_trouble(exc: BaseException) -> bool:
     if isinstance(exc, lmdb.Error):
         return True
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+
+
+def absorbs_lmdb_errors(miss):
+    """For store methods: an LMDB error escaping the call (a corrupted map, a page not found, a
+    map full at the budget) is counted in the store's stats and the call returns
+    ``miss(store, *args)``, so the serving path sees a miss, never the exception."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(store, *args, **kwargs):
+            try:
+                return method(store, *args, **kwargs)
+            except lmdb.Error as exc:
+                store._stats.count_error(f"{method.__name__}: {type(exc).__name__}")
+                return miss(store, *args, **kwargs)
+
+        return call
+
+    return wrap

@@ -65,12 +65,13 @@ class LMDBStorage(PageStorage):
         io_threads: int | None = None,
     ) -> None:
         super().__init__(namespace, page_nbytes)
+        self._record = record_cost(page_nbytes)
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
             raise InvalidArgumentError(f"budget_bytes={budget_bytes!r} must be an int")
-        if budget_bytes < 4 * self._record_bytes() + _MIN_MAP // 4:
+        if budget_bytes < 4 * self._record + _MIN_MAP // 4:
             raise InvalidArgumentError(
                 f"budget_bytes={budget_bytes} is too small for pages of {page_nbytes} bytes; "
-                f"give at least {4 * self._record_bytes() + _MIN_MAP // 4}"
+                f"give at least {4 * self._record + _MIN_MAP // 4}"
             )
         self.path = Path(path)
         self.budget_bytes = budget_bytes
@@ -84,9 +85,6 @@ class LMDBStorage(PageStorage):
         self._open()
 
     # -- environment --------------------------------------------------------------------------
-    def _record_bytes(self) -> int:
-        return record_cost(self.page_nbytes)
-
     def _open(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -203,22 +201,15 @@ class LMDBStorage(PageStorage):
         return False
 
     # -- the contract -------------------------------------------------------------------------
+    @lmdb_env.absorbs_lmdb_errors(lambda store, keys: 0)
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
-
-        def count(txn: lmdb.Transaction) -> int:
-            n = 0
-            for key in keys:
-                if txn.get(key, db=self._headers) is None:
-                    break
-                n += 1
-            return n
-
         with self._lock:
             if not self._intact():
                 return 0
-            return self._read(count)
+            return self._read(lambda txn: self._books.leading_present(txn, keys))
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store, keys, *rest: [False] * len(keys))
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
@@ -279,6 +270,7 @@ class LMDBStorage(PageStorage):
                 self._write(self._flush_touched, "recency")
         return out
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store, keys, *rest: [False] * len(keys))
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
@@ -306,7 +298,7 @@ class LMDBStorage(PageStorage):
                     self._stats.existing_refreshed += 1
                     done.append(True)
                     continue
-                if not self._evict_for(txn, self._record_bytes()):
+                if not self._evict_for(txn, self._record):
                     done.append(False)
                     continue
                 view = page_view(page)
@@ -334,7 +326,7 @@ class LMDBStorage(PageStorage):
             present = self._read(lambda txn: [txn.get(k, db=headers) is not None for k in keys])
             missing = [i for i, there in enumerate(present) if not there]
             sums.start(ordered_map(hash_page, missing, self._io_threads))
-            self._grow_for(len(missing) * self._record_bytes())
+            self._grow_for(len(missing) * self._record)
             result = None
             for attempt in range(2):
                 try:
@@ -351,6 +343,7 @@ class LMDBStorage(PageStorage):
             self._stats.set_skipped += result.count(False)
             return result
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store, keys: 0)
     def delete(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
         with self._lock:
@@ -359,12 +352,14 @@ class LMDBStorage(PageStorage):
             )
             return removed or 0
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store: None)
     def clear(self) -> None:
         fp = self.namespace.fingerprint
         with self._lock:
             self._touched = {}
             self._write(lambda txn: self._books.remove_prefix(txn, fp), "clear")
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store: None)
     def flush(self) -> None:
         """Write pending recency refreshes to LMDB and sync the map to disk."""
         with self._lock:
@@ -372,6 +367,7 @@ class LMDBStorage(PageStorage):
                 self._write(self._flush_touched, "recency")
             self._env_for_this_process().sync(True)
 
+    @lmdb_env.absorbs_lmdb_errors(lambda store: store._stats.snapshot())
     def stats(self) -> StorageStats:
         def read(txn: lmdb.Transaction) -> None:
             self._stats.pages = txn.stat(self._headers)["entries"]
