@@ -19,6 +19,7 @@ import errno
 import functools
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class SharedEnv:
     writemap: bool  # what the environment runs with (off when blocks could not be reserved)
     users: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
+    last_reader_check: float = float("-inf")
 
     def _remapped(self) -> None:
         if self.hugepages:
@@ -76,6 +78,19 @@ class SharedEnv:
         self.env.set_mapsize(size)
         self._remapped()
         return 0
+
+    def clear_stale_readers(self, every_s: float = 0.0) -> int:
+        """Free the reader slots of processes that died inside a read (their slots pin old
+        pages, so a store at its budget could not reuse them: every other process's writes
+        would fail). At most once per ``every_s`` seconds. Returns the slots freed."""
+        now = time.monotonic()
+        if now - self.last_reader_check < every_s:
+            return 0
+        self.last_reader_check = now
+        try:
+            return self.env.reader_check()
+        except lmdb.Error:
+            return 0
 
     def adopt(self) -> None:
         """Take the map size another process set (after ``MapResizedError``); that process
@@ -106,6 +121,7 @@ def acquire(path: Path, data_file: Path, options: dict) -> SharedEnv:
                 env, key, inode(data_file), data_file, options["hugepages"], writemap
             )
             shared._remapped()
+            shared.clear_stale_readers()  # a reader killed before we opened pins nothing
             _ENVS[key] = shared
         shared.users += 1
         return shared

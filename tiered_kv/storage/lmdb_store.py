@@ -37,6 +37,7 @@ from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
 
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
+READER_CHECK_S = 1.0  # a reader killed in any process stops others' writes at most this long
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
@@ -148,6 +149,7 @@ class LMDBStorage(PageStorage):
         """Run ``fn(txn)`` in one write transaction, growing the map on MapFull and adopting a
         size another process set. Disk trouble is counted and returns None."""
         env = self._env_for_this_process()
+        self._shared.clear_stale_readers(READER_CHECK_S)
         for _ in range(64):
             self._pending_evictions = 0
             try:
@@ -170,6 +172,8 @@ class LMDBStorage(PageStorage):
     def _evict_for(self, txn: lmdb.Transaction, need: int) -> bool:
         """Evict oldest pages (any namespace) until ``need`` more bytes fit the budget."""
         fits, evicted = self._books.evict_oldest(txn, need, int(self.budget_bytes * _FILL))
+        if not fits:
+            self._shared.clear_stale_readers()  # a dead reader may pin what eviction freed
         self._pending_evictions += evicted
         return fits
 
