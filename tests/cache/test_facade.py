@@ -1063,3 +1063,34 @@ def test_the_default_prefetch_policy_serves_a_restart_from_storage(tmp_path, gen
         assert h.storage == aligned(49), h
     finally:
         again.close()
+
+
+def test_a_poll_before_the_forward_does_not_hide_a_failed_load(make_cache, gen, monkeypatch):
+    """Issue 12: acknowledging a failed host -> device load (a poll between begin and the
+    forward) must not let the forward read the half-copied slots without an error."""
+    cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    (a,) = make_prompts(gen, [21])
+    model.serve(a)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    req = cache.begin(a)
+    assert req.hits.host == 20
+    cache.drain()
+    cache.poll()  # the failure is acknowledged now
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.device_pool.get_key_buffer(0)  # the forward still hits it
+    with pytest.raises(StateError, match="load of this request's prefix failed"):
+        cache.prepare_forward(req)
+    cache.abort(req)
+    monkeypatch.undo()
+    (b,) = make_prompts(gen, [17])
+    model.serve(b)  # the next request is not hit by the old failure
+    model.serve(a)  # and the failed prefix is served exactly from wherever it is now
+    cache.drain()
+    assert_no_leak(cache)

@@ -199,8 +199,12 @@ def test_load_of_a_failing_layer_is_reported_failed(gen, monkeypatch):
         assert brief([r]) == [(5, H2D, False, 0)]
         s = ctl.stats.snapshot()["host_to_device"]
         assert (s.ops, s.failed_ops, s.bytes) == (1, 1, 0)
-        # The failed load is no longer the consumer: readers do not hit its error.
-        assert ctl.layer_done_counter.consumer is None
+        # Acknowledged, the failed load stays the consumer: its readers keep hitting its error
+        # (a poll before the forward must not hide the failure, issue 12); layers that did land
+        # still read exactly.
+        assert ctl.layer_done_counter.consumer == ctl.layer_done_counter.producer
+        with pytest.raises(OSError, match="layer 2 copy lost"):
+            pool.get_key_buffer(2)
         assert torch.equal(dev_rows(pool.get_key_buffer(3)[d]), host_kv(host, 3, h)[0])
     finally:
         ctl.close()

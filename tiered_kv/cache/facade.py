@@ -111,9 +111,10 @@ class TieredKVCache:
                 (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)
             )
         kv.kv_allocated_len = prefix
-        if grant.load_slot is not None:
-            # The layer waits follow this request (its own load, or the one in flight that its
-            # prefix shares); an earlier-begun request's forward calls prepare_forward first.
+        if self.device_host is not None:
+            # The layer waits follow this request: its own load, the one in flight its prefix
+            # shares, or none (not an earlier request's, failed or not); an earlier-begun
+            # request's forward calls prepare_forward first.
             self.device_host.layer_done_counter.set_consumer(grant.load_slot)
         self.hits.add(grant.hits)
         return req
@@ -121,8 +122,16 @@ class TieredKVCache:
     def prepare_forward(self, req: Request) -> None:
         """Make the device pool's per-layer waits follow ``req``'s host -> device load.
         ``begin`` does this for the request it starts; call it before the forward pass of an
-        earlier-begun request when several requests are begun before their forwards run."""
+        earlier-begun request when several requests are begun before their forwards run.
+        Raises StateError when ``req``'s prefix load failed (abort the request: its prefix
+        slots do not hold its KV)."""
         self._check_live(req)
+        self.manager.poll()
+        if self.manager.holds_stale(req.node):
+            raise StateError(
+                "the host -> device load of this request's prefix failed; abort it (its "
+                "prefix slots do not hold its KV) and begin it again"
+            )
         if self.device_host is not None:
             self.device_host.layer_done_counter.set_consumer(req.load_slot)
 

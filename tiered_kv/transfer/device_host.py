@@ -159,15 +159,12 @@ class DeviceHostTransfer(TransferWorker):
         seconds = sum(e.seconds() for e in copy.events)
         direction = copy.job.direction
         self.stats.add(direction, copy.nbytes, seconds, ok)
-        counter = self.layer_done_counter
-        # Only while the slot still holds this load's events: a newer load may have taken it
-        # again (this load's events were done, not yet acknowledged); its consumer must stay.
+        # Only while the slot still holds this load's events: a newer load may have taken it.
+        # A failed load stays the consumer if it is: its readers must keep hitting its error
+        # (acknowledging the failure must not let them read the half-copied slots); the next
+        # request begun points the consumer at its own load.
         if copy.slot is not None and self._slot_job.get(copy.slot) is copy:
             del self._slot_job[copy.slot]
-            if not ok and counter.consumer_is(copy.slot):
-                # Readers must not keep hitting the failed load's error; the manager drops the
-                # device copies that load was filling.
-                counter.set_consumer(None)
         del self._by_id[copy.job.job_id]
         copy.finished.set()
         return TransferResult(copy.job.job_id, direction, ok, copy.nbytes if ok else 0, seconds)
