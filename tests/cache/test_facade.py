@@ -8,6 +8,7 @@ bit, with what the model wrote when that prefix was first computed.
 
 from __future__ import annotations
 
+import random
 import shutil
 import threading
 import time
@@ -1094,3 +1095,51 @@ def test_a_poll_before_the_forward_does_not_hide_a_failed_load(make_cache, gen, 
     model.serve(a)  # and the failed prefix is served exactly from wherever it is now
     cache.drain()
     assert_no_leak(cache)
+
+
+def test_an_extend_that_cannot_fit_evicts_nothing(make_cache, gen):
+    """Issue 12: a request larger than free + every cached page is refused before anything is
+    evicted (it used to evict every cached device page, then raise)."""
+    cache = make_cache(device_tokens=64, host_tokens=128)
+    model = Model(cache, gen)
+    a, big = make_prompts(gen, [29, 100])
+    model.serve(a)
+    cache.drain()
+    cached = cache.tree.device_tokens
+    assert cached > 0
+    before = (cache.free_sizes(), cache.stats()["evictions"])
+    held = model.begin(big)
+    with pytest.raises(StateError, match="cannot hold 100 more tokens"):
+        cache.extend(held, big)
+    assert cache.tree.device_tokens == cached and len(held.tokens) == held.prefix_len
+    cache.abort(held)
+    assert (cache.free_sizes(), cache.stats()["evictions"]) == before
+    assert model.serve(a).hits.device == aligned(29)  # still cached
+    assert_no_leak(cache)
+
+
+def test_threads_sharing_a_cache_take_turns(make_cache, gen):
+    """Issue 12: several threads calling one cache (device tier only, so no layer waits are
+    shared) leave exact counts and an intact tree (it used to corrupt the free counts)."""
+    cache = make_cache(device_tokens=256, host_tokens=0, storage_bytes=0)
+    model = Model(cache, gen)
+    prompts = make_prompts(gen, [13, 21, 29, 17, 25, 33, 9, 41])
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                model.serve(rng.choice(prompts))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:1]
+    cache.manager.check_integrity()
+    cache.clear_tree()
+    assert cache.free_sizes() == cache._initial

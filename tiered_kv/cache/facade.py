@@ -17,7 +17,9 @@ compute, so the model has a position to produce logits from.
 
 from __future__ import annotations
 
+import functools
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +35,19 @@ from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import PrefetchPolicy
 from tiered_kv.tree.node import TreeNode
+
+
+def _serialized(method):
+    """One call at a time per cache: threads sharing a cache take turns (an RLock), so its
+    tree, pools and counters never see two calls interleave. Layer waits follow the request
+    begun last: a thread whose forward reads a loaded prefix calls ``prepare_forward`` first."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 @dataclass
@@ -74,9 +89,11 @@ class TieredKVCache:
         self.metrics = parts.manager.metrics
         self.hits = self.metrics.hits
         self._closed = False
+        self._lock = threading.RLock()
         self._initial = self.free_sizes()
 
     # -- request lifecycle --------------------------------------------------------------------
+    @_serialized
     def begin(self, tokens) -> Request:
         """Start a request for prompt ``tokens``: find its cached prefix on every tier, bring
         storage hits to host (per the prefetch policy) and host hits to the device (layer by
@@ -119,6 +136,7 @@ class TieredKVCache:
         self.hits.add(grant.hits)
         return req
 
+    @_serialized
     def prepare_forward(self, req: Request) -> None:
         """Make the device pool's per-layer waits follow ``req``'s host -> device load.
         ``begin`` does this for the request it starts; call it before the forward pass of an
@@ -153,6 +171,7 @@ class TieredKVCache:
         pre, seq = torch.tensor([length]), torch.tensor([length + n])
         return a.alloc_extend(pre, pre, seq, seq, last, n)
 
+    @_serialized
     def extend(self, req: Request, tokens) -> torch.Tensor:
         """Device slots for ``tokens`` appended to ``req`` (evicting unlocked device pages if
         needed). Raises StateError when the device cannot hold them."""
@@ -167,6 +186,15 @@ class TieredKVCache:
                 f"{self.config.device.max_context_len}"
             )
         out = self._alloc(req, n, decode=False)
+        reachable = self.allocator.available_size() + self.tree.device_tokens
+        if out is None and n > reachable:
+            # Even evicting every cached page could not make the room: say so before evicting
+            # anything (a call that raises changes nothing).
+            raise StateError(
+                f"device pool cannot hold {n} more tokens: {self.allocator.available_size()} "
+                f"free and {self.tree.device_tokens} cached ({self.tree.evictable_device_tokens} "
+                "evictable now); finish or abort other requests, or extend in smaller steps"
+            )
         if out is None:
             self.manager.make_device_room(n + self.config.device.page_size)
             out = self._alloc(req, n, decode=False)
@@ -190,14 +218,17 @@ class TieredKVCache:
         req.kv.kv_allocated_len = len(req.tokens)
         return out
 
+    @_serialized
     def decode(self, req: Request, token: int) -> torch.Tensor:
         """The slot for one more token of ``req``."""
         return self.extend(req, [token])
 
+    @_serialized
     def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """The model's KV for ``slots`` of global layer ``layer_id``."""
         self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots), k, v)
 
+    @_serialized
     def finish(self, req: Request) -> None:
         """Insert ``req``'s whole pages into the tree and release the request: its duplicate
         and partial-page slots are freed, its lock and row returned. A request whose prefix
@@ -207,6 +238,7 @@ class TieredKVCache:
         self.req_to_token.free(req.row)
         req.finished = True
 
+    @_serialized
     def abort(self, req: Request) -> None:
         """Release ``req`` without inserting anything it computed (a failed forward, a
         cancelled request): its own slots are freed, its lock and row returned."""
@@ -228,10 +260,12 @@ class TieredKVCache:
             raise StateError("this TieredKVCache is closed")
 
     # -- housekeeping -------------------------------------------------------------------------
+    @_serialized
     def poll(self) -> None:
         """Acknowledge finished copies (never blocks); a serving loop calls it every step."""
         self.manager.poll()
 
+    @_serialized
     def drain(self, timeout_s: float = 600.0) -> None:
         """Wait for every copy and backup in flight and acknowledge them. Raises StateError
         naming what is still in flight if that takes longer than ``timeout_s``."""
@@ -248,6 +282,7 @@ class TieredKVCache:
                     f"{timeout_s} s ({self.manager.jobs.describe()})"
                 )
 
+    @_serialized
     def free_sizes(self) -> dict[str, int]:
         out = {
             "device": self.allocator.available_size(),
@@ -257,6 +292,7 @@ class TieredKVCache:
             out["host"] = self.host_pool.available_size()
         return out
 
+    @_serialized
     def clear_tree(self) -> None:
         """Evict every unlocked node from every tier (storage keeps its pages)."""
         self.drain()
@@ -265,6 +301,7 @@ class TieredKVCache:
         self.manager.evict_host(1 << 62)
         self.drain()
 
+    @_serialized
     def stats(self) -> dict:
         st = None
         if self.storage is not None:
@@ -278,9 +315,11 @@ class TieredKVCache:
         }
         return self.metrics.render(st, occupancy)
 
+    @_serialized
     def prometheus(self) -> str:
         return prometheus_text(self.stats())
 
+    @_serialized
     def close(self) -> None:
         """Wait for the copies in flight, stop the background threads, close the store. Safe to
         call twice; requests cannot begin, extend or finish afterwards."""
