@@ -135,6 +135,8 @@ class StorageConfig:
     storage_bytes: int = 0  # 0: no storage tier
     storage_path: str | os.PathLike | None = None
     namespace_salt: str | None = None  # a tenant's salt: its keys never match another's
+    model_id: str | None = None  # the model's name + weights fingerprint or revision (storage)
+    rank: str | None = None  # the parallel rank, where ranks hold different bytes
     storage_batch_pages: int = 32
     io_threads: int | None = None  # None: the store's default
     durable: bool = False
@@ -158,6 +160,9 @@ class StorageConfig:
         )
         s = self.namespace_salt
         _need(s is None or isinstance(s, str), self, "namespace_salt", "None or a str")
+        for n in ("model_id", "rank"):
+            v = getattr(self, n)
+            _need(v is None or (isinstance(v, str) and bool(v)), self, n, "None or a non-empty str")
         t = self.io_threads
         _need(t is None or (_is_int(t) and t >= 1), self, "io_threads", "None or an int >= 1")
         for n in ("durable", "hugepages"):
@@ -238,6 +243,14 @@ class TieredKVConfig:
                 self.storage,
                 "storage_bytes",
                 "0 when host_tokens is 0 (storage pages move through the host tier)",
+            )
+            _need(
+                self.storage.model_id is not None,
+                self.storage,
+                "model_id",
+                "the model's identity when storage_bytes > 0: its name plus a weights "
+                "fingerprint or revision (e.g. 'llama-3-8b@<sha>'), so that KV of two models "
+                "with the same shape never shares a page",
             )
 
     @classmethod

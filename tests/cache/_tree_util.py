@@ -84,7 +84,7 @@ class Stack:
             reserve_bytes=0,
             kernel_backend="torch",
         )
-        self.ns = StorageNamespace.for_host_pool(self.host)
+        self.ns = StorageNamespace.for_host_pool(self.host, model="test-model")
         if storage is True:
             self.storage = storage_cls(self.ns, self.host.page_nbytes)
         else:

@@ -13,7 +13,15 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import InvalidArgumentError
 
-SMALL = dict(num_layers=2, head_num=2, head_dim=8, page_size=8, device_tokens=64, host_tokens=128)
+SMALL = dict(
+    num_layers=2,
+    head_num=2,
+    head_dim=8,
+    page_size=8,
+    device_tokens=64,
+    host_tokens=128,
+    model_id="test-model@1",
+)
 
 
 def small(**changes) -> TieredKVConfig:
@@ -73,6 +81,10 @@ P = 8
         (dict(storage_bytes=-1), "storage_bytes"),
         (dict(storage_bytes=1.5e9, storage_path="/tmp/x"), "storage_bytes"),
         (dict(storage_bytes=64 << 20, storage_path=5), "storage_path"),
+        # a store needs the model's identity (issue 12): two models never share a page
+        (dict(storage_bytes=64 << 20, storage_path="/tmp/x", model_id=None), "model_id"),
+        (dict(model_id=""), "model_id"),
+        (dict(rank=3), "rank"),
         (dict(namespace_salt=7), "namespace_salt"),
         # bools and other non-ints where ints are needed
         (dict(num_layers=True), "num_layers"),

@@ -36,6 +36,7 @@ def make_config(tmp_path, **changes) -> TieredKVConfig:
         host_tokens=160,
         storage_bytes=64 << 20,
         storage_path=str(tmp_path / "store"),
+        model_id="test-model@1",
         prefetch_threshold=PAGE,
         prefetch_policy="wait_complete",
         max_requests=8,
@@ -1124,6 +1125,9 @@ def test_threads_sharing_a_cache_take_turns(make_cache, gen):
     cache = make_cache(device_tokens=256, host_tokens=0, storage_bytes=0)
     model = Model(cache, gen)
     prompts = make_prompts(gen, [13, 21, 29, 17, 25, 33, 9, 41])
+    for p in prompts:  # the test's KV oracle is filled first: it is not what is under test
+        for i in range(len(p)):
+            model._token(tuple(p[: i + 1]))
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -1143,3 +1147,41 @@ def test_threads_sharing_a_cache_take_turns(make_cache, gen):
     cache.manager.check_integrity()
     cache.clear_tree()
     assert cache.free_sizes() == cache._initial
+
+
+def test_two_models_with_the_same_kv_shape_never_share_a_page(tmp_path, gen):
+    """Issue 12: keys cover the model's identity, so a model (or a fine-tune of it) with the
+    same KV shape never reads another's pages from a shared store; the same model does."""
+    (a,) = make_prompts(gen, [49])
+    base = make_config(tmp_path, model_id="base@rev1")
+
+    def serve(cfg, model=None):
+        cache = TieredKVCache(cfg)
+        try:
+            m = Model(cache, gen)
+            if model is not None:
+                m._kv = model._kv
+            hits = m.serve(a).hits
+            cache.drain()
+            return hits, m
+        finally:
+            cache.close()
+
+    first, model = serve(base)
+    assert first.storage == 0
+    other, _ = serve(base.replace(model_id="finetune@rev1"))
+    assert other.storage == 0 and other.missed == 49, other
+    same, _ = serve(base, model)
+    assert same.storage == aligned(49), same
+    with pytest.raises(InvalidArgumentError, match="model_id"):
+        base.replace(model_id=None)
+
+
+def test_run_derives_the_model_identity_from_its_config():
+    from tiered_kv.cli.run_cmd import model_identity
+    from tiered_kv.engine.model import ModelConfig
+
+    one = model_identity(ModelConfig(hidden=128))
+    assert one == model_identity(ModelConfig(hidden=128))
+    assert one != model_identity(ModelConfig(hidden=256))  # same KV shape, other weights
+    assert one != model_identity(ModelConfig(hidden=128, seed=1))

@@ -44,7 +44,7 @@ class Run:
             reserve_bytes=0,
             kernel_backend="torch",
         )
-        ns = StorageNamespace.for_host_pool(self.host)
+        ns = StorageNamespace.for_host_pool(self.host, model="test-model")
         if fake:
             store = KeyStore(None)
             self.device_host = self.host_storage = InstantTransfer(store)

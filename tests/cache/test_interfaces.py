@@ -22,6 +22,7 @@ def parts(tmp_path):
         host_tokens=64,
         storage_bytes=64 << 20,
         storage_path=str(tmp_path / "store"),
+        model_id="test-model@1",
     )
     p = build_cache_parts(cfg)
     yield p

@@ -172,6 +172,7 @@ def cache(tmp_path):
             host_tokens=128,
             storage_bytes=64 << 20,
             storage_path=str(tmp_path / "store"),
+            model_id="test-model@1",
             prefetch_threshold=4,
             prefetch_policy="wait_complete",
         )

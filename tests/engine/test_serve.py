@@ -47,6 +47,7 @@ def cache_config(tmp_path, mc: ModelConfig = MC, **changes) -> TieredKVConfig:
         host_tokens=1024,
         storage_bytes=32 << 20,
         storage_path=str(tmp_path / "store"),
+        model_id="tinyllama@test",
         prefetch_threshold=16,
         prefetch_policy="wait_complete",
         max_requests=8,

@@ -86,6 +86,7 @@ def fill_for_keys(source: ByteSource, keys, pages) -> None:
 def byte_namespace(page_nbytes: int, tenant: str | None = None) -> StorageNamespace:
     """A namespace for ByteSource pages (a made-up geometry)."""
     return StorageNamespace.create(
+        model="test-model",
         kind="bytes",
         parts=[("raw", [page_nbytes])],
         dtype="uint8",

@@ -35,7 +35,7 @@ def host(gen):
 
 @pytest.fixture
 def ns(host) -> StorageNamespace:
-    return StorageNamespace.for_host_pool(host)
+    return StorageNamespace.for_host_pool(host, model="test-model")
 
 
 @pytest.fixture
@@ -208,7 +208,7 @@ def test_clear_removes_only_this_namespace(make_store, tmp_path, host, ns, keys)
     # One store object per directory at a time in this process (see test_lmdb_store for two
     # at once): the other namespace writes, closes, and is reopened after the clear.
     shared = tmp_path / "shared"
-    other_ns = StorageNamespace.for_host_pool(host, tenant="other")
+    other_ns = StorageNamespace.for_host_pool(host, tenant="other", model="test-model")
     other_keys = page_keys(other_ns, _tokens(8 * P + 1, seed=7), P)
     other = make_store(other_ns, host.page_nbytes, path=shared)
     assert other.batch_set(other_keys[:3], host, [4, 5, 6]) == [True] * 3
@@ -274,7 +274,9 @@ def _assert_unchanged(store, keys, host, snap):
 @pytest.mark.parametrize("op", ["exists", "get", "set", "delete"])
 def test_key_of_other_namespace_raises(store, host, keys, op):
     store.batch_set(keys[:2], host, [0, 1])
-    other = page_keys(StorageNamespace.for_host_pool(host, tenant="x"), _tokens(8 * P), P)
+    other = page_keys(
+        StorageNamespace.for_host_pool(host, tenant="x", model="test-model"), _tokens(8 * P), P
+    )
     snap = _snapshot(store, keys, host)
     with pytest.raises(InvalidArgumentError, match="unknown namespace"):
         _call(store, op, [keys[2], other[0]], host, [8, 9])

@@ -17,7 +17,7 @@ from ._util import P, make_host
 
 @pytest.fixture(scope="module")
 def ns() -> StorageNamespace:
-    return StorageNamespace.for_host_pool(make_host())
+    return StorageNamespace.for_host_pool(make_host(), model="test-model")
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -36,7 +36,7 @@ def test_keys_only_for_full_pages(ns):
 
 def test_same_tokens_same_namespace_same_keys(ns):
     toks = _tokens(6 * P)
-    again = StorageNamespace.for_host_pool(make_host())
+    again = StorageNamespace.for_host_pool(make_host(), model="test-model")
     assert again == ns
     assert page_keys(ns, toks, P) == page_keys(again, list(toks), P)
 
@@ -77,12 +77,18 @@ def test_key_shape(ns):
 
 def test_different_namespaces_give_different_keys(ns):
     variants = {
-        "layout": StorageNamespace.for_host_pool(make_host(layout="layer_first")),
-        "dtype": StorageNamespace.for_host_pool(make_host(dtype=torch.float16)),
-        "heads": StorageNamespace.for_host_pool(make_host(heads=3)),
-        "page_size": StorageNamespace.for_host_pool(make_host(page_size=2 * P)),
-        "tenant": StorageNamespace.for_host_pool(make_host(), tenant="tenant-a"),
-        "tenant2": StorageNamespace.for_host_pool(make_host(), tenant="tenant-b"),
+        "layout": StorageNamespace.for_host_pool(
+            make_host(layout="layer_first"), model="test-model"
+        ),
+        "dtype": StorageNamespace.for_host_pool(make_host(dtype=torch.float16), model="test-model"),
+        "heads": StorageNamespace.for_host_pool(make_host(heads=3), model="test-model"),
+        "page_size": StorageNamespace.for_host_pool(make_host(page_size=2 * P), model="test-model"),
+        "tenant": StorageNamespace.for_host_pool(
+            make_host(), tenant="tenant-a", model="test-model"
+        ),
+        "tenant2": StorageNamespace.for_host_pool(
+            make_host(), tenant="tenant-b", model="test-model"
+        ),
     }
     toks = _tokens(4 * P, seed=3)
     base = page_keys(ns, toks, P)

@@ -18,6 +18,7 @@ from tiered_kv.storage import LMDBStorage, StorageNamespace, page_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = StorageNamespace.create(
+    model="test-model",
     kind="mha",
     parts=[("k", (2, 8))],
     dtype="float32",
@@ -75,8 +76,8 @@ from tiered_kv.storage import LMDBStorage, StorageNamespace, page_keys
 from tiered_kv.errors import StorageOpenError
 seed, flips, mode, d = {seed}, {flips}, {mode!r}, {path!r}
 rng = random.Random(seed)
-ns = StorageNamespace.create(kind="mha", parts=[("k", (2, 8))], dtype="float32", layer_ids=[0],
-                             page_size=4, layout="page_first")
+ns = StorageNamespace.create(model="test-model", kind="mha", parts=[("k", (2, 8))],
+                             dtype="float32", layer_ids=[0], page_size=4, layout="page_first")
 P = 4096 + 512 * rng.randint(0, 8)
 src = ByteSource(P, 40)
 src.buf.copy_(torch.randint(1, 255, src.buf.shape, generator=torch.Generator().manual_seed(seed),

@@ -39,7 +39,7 @@ def host(gen):
 
 @pytest.fixture
 def ns(host):
-    return StorageNamespace.for_host_pool(host)
+    return StorageNamespace.for_host_pool(host, model="test-model")
 
 
 def _keys(ns, n, seed=0):
@@ -194,7 +194,7 @@ def test_read_only_directory_raises_open_error(tmp_path, ns, host):
 
 def test_two_namespaces_open_at_once_in_one_process(tmp_path, host, ns):
     """Stores of two namespaces share one directory (eviction and clear are per namespace)."""
-    other_ns = StorageNamespace.for_host_pool(host, tenant="other")
+    other_ns = StorageNamespace.for_host_pool(host, tenant="other", model="test-model")
     a = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
     try:
         b = LMDBStorage(tmp_path / "s", other_ns, host.page_nbytes, budget_bytes=BUDGET)

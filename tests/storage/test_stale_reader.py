@@ -19,8 +19,8 @@ import sys, time, torch
 sys.path.insert(0, {root!r})
 from tests.storage._util import ByteSource
 from tiered_kv.storage import LMDBStorage, StorageNamespace, page_keys
-ns = StorageNamespace.create(kind="mha", parts=[("k", (2, 8))], dtype="float32", layer_ids=[0],
-                             page_size=4, layout="page_first")
+ns = StorageNamespace.create(model="test-model", kind="mha", parts=[("k", (2, 8))],
+                             dtype="float32", layer_ids=[0], page_size=4, layout="page_first")
 P, BUDGET = 1 << 19, 48 << 20
 src = ByteSource(P, 8)
 src.buf.copy_(torch.randint(1, 255, src.buf.shape, dtype=torch.uint8))

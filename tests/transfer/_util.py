@@ -126,7 +126,9 @@ def slots(alloc_fn, pages: int, n: int, gen: torch.Generator) -> torch.Tensor:
 # -- storage -------------------------------------------------------------------------------------
 def keys_for(host, n_pages: int, gen: torch.Generator) -> list[bytes]:
     tokens = torch.randint(0, 2**31, (n_pages * host.page_size,), generator=gen)
-    keys = page_keys(StorageNamespace.for_host_pool(host), tokens, host.page_size)
+    keys = page_keys(
+        StorageNamespace.for_host_pool(host, model="test-model"), tokens, host.page_size
+    )
     assert len(keys) == n_pages
     return keys
 

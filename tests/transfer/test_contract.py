@@ -49,7 +49,7 @@ def _seed(gen: torch.Generator) -> int:
 
 
 def _memory_store(host) -> MemoryStorage:
-    return MemoryStorage(StorageNamespace.for_host_pool(host), host.page_nbytes)
+    return MemoryStorage(StorageNamespace.for_host_pool(host, model="test-model"), host.page_nbytes)
 
 
 def _take(alloc_fn, n: int) -> torch.Tensor:

@@ -388,7 +388,9 @@ def test_storage_directions_and_foreign_host_pools_are_refused(gen):
 
 def test_close_finishes_work_joins_threads_and_refuses_calls(gen):
     pool, alloc, host = _rig(gen, layers=3)
-    store = MemoryStorage(StorageNamespace.for_host_pool(host), host.page_nbytes)
+    store = MemoryStorage(
+        StorageNamespace.for_host_pool(host, model="test-model"), host.page_nbytes
+    )
     ctl = DeviceHostTransfer(alloc, host)
     st = HostStorageTransfer(host, store)
     assert pool.layer_transfer_counter is ctl.layer_done_counter

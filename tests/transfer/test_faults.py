@@ -91,7 +91,9 @@ def test_random_jobs_with_injected_faults(gen, monkeypatch):
         monkeypatch.setattr(
             host, name, lambda *a, _real=real, _name=name, **k: faults.call(_name, _real, *a, **k)
         )
-    inner = MemoryStorage(StorageNamespace.for_host_pool(host), host.page_nbytes)
+    inner = MemoryStorage(
+        StorageNamespace.for_host_pool(host, model="test-model"), host.page_nbytes
+    )
     dh = DeviceHostTransfer(alloc, host, layer_slots=rng.choice([1, 2, 3]))
     hs = HostStorageTransfer(host, _FaultyStore(inner, faults), batch_pages=rng.choice([1, 2, 3]))
     dev_rows = _pages(alloc.alloc(alloc.available_size()))

@@ -45,7 +45,7 @@ def _rig(gen, *, dtype=torch.float16):
 def store_rig(request, gen, tmp_path):
     """(host pool with random bits, store)."""
     host = _rig(gen)
-    ns = StorageNamespace.for_host_pool(host)
+    ns = StorageNamespace.for_host_pool(host, model="test-model")
     if request.param == "memory":
         store = MemoryStorage(ns, host.page_nbytes)
     else:
@@ -236,7 +236,9 @@ def test_cancel_before_the_job_runs(store_rig, gen):
 
 def test_storage_argument_checks(gen):
     host = _rig(gen)
-    store = MemoryStorage(StorageNamespace.for_host_pool(host), host.page_nbytes)
+    store = MemoryStorage(
+        StorageNamespace.for_host_pool(host, model="test-model"), host.page_nbytes
+    )
     ctl = HostStorageTransfer(host, store)
     try:
         keys = keys_for(host, 2, gen)

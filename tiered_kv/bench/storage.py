@@ -74,6 +74,7 @@ def make_case(size_mib: float, total_mib: float, seed: int) -> Case:
     page_nbytes = round(size_mib * MIB)
     n = max(1, int(total_mib * MIB) // page_nbytes)
     ns = StorageNamespace.create(
+        model="bench",
         kind="bench",
         parts=[("kv", (page_nbytes,))],
         dtype="uint8",
@@ -92,7 +93,7 @@ def host_case(host, n: int, seed: int) -> Case:
             f"host_case needs a page_first host pool of at least {2 * n} pages; this one is "
             f"{host.layout.value} with {host.num_pages}"
         )
-    ns = StorageNamespace.for_host_pool(host, tenant="bench")
+    ns = StorageNamespace.for_host_pool(host, tenant="bench", model="bench")
     size_mib = host.page_nbytes / MIB
     return Case(size_mib, host.page_nbytes, random_keys(ns, n, seed), host, host, ns, 0, n)
 

@@ -92,7 +92,9 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
             )
             opened.append(device_host)
             if s.storage_bytes:
-                namespace = StorageNamespace.for_host_pool(host_pool, tenant=s.namespace_salt)
+                namespace = StorageNamespace.for_host_pool(
+                    host_pool, tenant=s.namespace_salt, model=s.model_id, rank=s.rank
+                )
                 storage = LMDBStorage(
                     c.storage_dir,
                     namespace,

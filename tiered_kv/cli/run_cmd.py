@@ -10,6 +10,8 @@ caching disabled.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import random
 import shutil
 import statistics
@@ -123,6 +125,14 @@ def workload(args) -> list[tuple[int, int, list[int]]]:
     return order
 
 
+def model_identity(mc: ModelConfig) -> str:
+    """The model's identity for its store keys: its class and a digest of every field of its
+    config (the weights are drawn from the seed in it), so another model, or the same model with
+    other weights, never reads these pages."""
+    text = json.dumps(asdict(mc), sort_keys=True, default=str)
+    return f"{type(mc).__name__}@{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def main(args: argparse.Namespace) -> int:
     store = args.store
     if args.fresh:
@@ -155,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TieredKVConfig.flat(
         num_layers=args.layers,
         **geometry,
+        model_id=model_identity(mc),
         page_size=args.page_size,
         device_tokens=args.device_tokens,
         host_tokens=args.host_tokens,

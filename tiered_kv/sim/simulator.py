@@ -128,7 +128,7 @@ class InstantTransfer:
         return len(self._results)
 
 
-_NAMESPACE = StorageNamespace("sim", b"sim-namespace-16")
+_NAMESPACE = StorageNamespace("sim", b"sim-namespace-16", "sim")
 
 
 @dataclass

@@ -85,6 +85,12 @@ class PageStorage(abc.ABC):
     def __init__(self, namespace: StorageNamespace, page_nbytes: int) -> None:
         if not isinstance(namespace, StorageNamespace):
             raise InvalidArgumentError("namespace must be a StorageNamespace")
+        if namespace.model is None:
+            raise InvalidArgumentError(
+                "the namespace has no model identity: pass model='<name>@<weights fingerprint or "
+                "revision>' to StorageNamespace.create / for_host_pool (TieredKVConfig.model_id), "
+                "so that KV of two models with the same shape never shares a page"
+            )
         if isinstance(page_nbytes, bool) or not isinstance(page_nbytes, int) or page_nbytes < 1:
             raise InvalidArgumentError(f"page_nbytes={page_nbytes!r} must be an int >= 1")
         self.namespace = namespace

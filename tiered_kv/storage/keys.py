@@ -32,6 +32,7 @@ class StorageNamespace:
 
     description: str  # canonical JSON of the fields below
     fingerprint: bytes
+    model: str | None = None  # which model wrote the pages (stores refuse a namespace without)
 
     @classmethod
     def create(
@@ -44,9 +45,20 @@ class StorageNamespace:
         page_size: int,
         layout: str,
         tenant: str | None = None,
+        model: str | None = None,
+        rank: str | None = None,
     ) -> StorageNamespace:
+        """``model``: the model's identity, a name plus a weights fingerprint or revision (two
+        models with the same KV shape, a fine-tune and its base, must never share a page);
+        ``rank``: the tensor / pipeline / context-parallel rank where ranks hold different
+        bytes; ``tenant``: a salt that keeps one tenant's pages from another's."""
+        for name, value in (("model", model), ("rank", rank), ("tenant", tenant)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidArgumentError(f"{name}={value!r} must be None or a non-empty str")
         fields: dict[str, Any] = {
-            "format": 1,
+            "format": 2,
+            "model": model,
+            "rank": rank,
             "kind": kind,
             "parts": [[name, list(shape)] for name, shape in parts],
             "dtype": str(dtype),
@@ -57,11 +69,19 @@ class StorageNamespace:
         }
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
-        return cls(text, digest)
+        return cls(text, digest, model)
 
     @classmethod
-    def for_host_pool(cls, host_pool: Any, tenant: str | None = None) -> StorageNamespace:
-        """The namespace of a host pool's pages (its declaration, layout and page size)."""
+    def for_host_pool(
+        cls,
+        host_pool: Any,
+        tenant: str | None = None,
+        *,
+        model: str | None = None,
+        rank: str | None = None,
+    ) -> StorageNamespace:
+        """The namespace of a host pool's pages (its declaration, layout and page size) written
+        by ``model`` (see ``create``)."""
         decl = host_pool.decl
         return cls.create(
             kind=decl.kind,
@@ -71,6 +91,8 @@ class StorageNamespace:
             page_size=decl.page_size,
             layout=host_pool.layout.value,
             tenant=tenant,
+            model=model,
+            rank=rank,
         )
 
     def owns(self, key: bytes) -> bool:
