@@ -209,3 +209,18 @@ def test_valid_config_builds_a_cache(tmp_path, changes, tiers):
 def test_cache_needs_a_config():
     with pytest.raises(InvalidArgumentError, match="TieredKVConfig"):
         TieredKVCache(SMALL)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(device_tokens=2**40), "device_tokens"),
+        (dict(max_context_len=2**33), "max_context_len"),
+    ],
+)
+def test_a_cache_too_large_for_the_machine_is_a_typed_error(tmp_path, changes, field):
+    """Issue 12: they gave an untyped torch RuntimeError half way through the build."""
+    from tiered_kv.errors import HostMemoryError
+
+    with pytest.raises(HostMemoryError, match=rf"TieredKVConfig\.{field}"):
+        TieredKVCache(small(storage_path=str(tmp_path / "s"), **changes))

@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
+import psutil
 import torch
 
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
-from tiered_kv.device.kv_cache import KVCache
+from tiered_kv.device.kv_cache import KVCache, mha_kv_bytes, mla_kv_bytes
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
+from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.names import ModelKind
 from tiered_kv.storage import LMDBStorage, StorageNamespace
@@ -65,8 +67,31 @@ def device_pool_for(c: TieredKVConfig) -> KVCache:
     )
 
 
+def check_device_fits(c: TieredKVConfig) -> None:
+    """Refuse, naming the field, a device pool or request table this machine cannot hold
+    (instead of an untyped allocation error from torch half way through the build)."""
+    g, d = c.geometry, c.device
+    tokens = d.device_tokens + d.page_size
+    if g.model == ModelKind.MHA:
+        pool = mha_kv_bytes(g.num_layers, tokens, g.head_num, g.head_dim, g.torch_dtype)
+    else:
+        pool = mla_kv_bytes(g.num_layers, tokens, g.kv_lora_rank, g.qk_rope_head_dim, g.torch_dtype)
+    rows = (d.max_requests + 1) * d.max_context_len * 4  # int32 slot per (row, position)
+    cuda = d.device == "cuda"
+    free = torch.cuda.mem_get_info()[0] if cuda else psutil.virtual_memory().available
+    for nbytes, field in ((pool, "device_tokens"), (pool + rows, "max_context_len")):
+        if nbytes > free:
+            raise HostMemoryError(
+                f"the device pool{' and request table' if field != 'device_tokens' else ''} "
+                f"need {nbytes / 2**30:.2f} GiB but the {'GPU' if cuda else 'machine'} has "
+                f"{free / 2**30:.2f} GiB free; lower TieredKVConfig.{field}"
+                + (" (or max_requests)" if field == "max_context_len" else "")
+            )
+
+
 def build_cache_parts(c: TieredKVConfig) -> CacheParts:
     d, h, s, p = c.device, c.host, c.storage, c.policies
+    check_device_fits(c)
     pool = device_pool_for(c)
     allocator = PagedTokenToKVPoolAllocator(
         d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool
