@@ -129,6 +129,17 @@ def acquire(path: Path, data_file: Path, options: dict) -> SharedEnv:
 
 def _open(path: Path, options: dict, writemap: bool) -> lmdb.Environment:
     durable = options["durable"]
+    # LMDB maps lock.mdb and writes its reader table through the mapping: on a full disk a
+    # sparse lock file kills the process with SIGBUS inside lmdb.open. Reserve its blocks
+    # first and refuse the store when they cannot be had. (data.mdb's first pages are written
+    # with pwrite, which reports a full disk as an error: a typed refusal below.)
+    err = map_file.reserve_new(path / "lock.mdb", map_file.LOCK_BYTES)
+    if err and err not in map_file.UNSUPPORTED:
+        raise StorageOpenError(
+            f"cannot open LMDB store at {path}: no disk space for its lock file "
+            f"({errno.errorcode.get(err, err)}); free space on that file system or use another "
+            "storage_path"
+        )
     try:
         return lmdb.open(
             str(path),

@@ -44,13 +44,10 @@ _FILL = 3 / 4
 
 
 class LMDBStorage(PageStorage):
-    """``path``: the store directory; ``budget_bytes``: the most disk it may use (the LMDB map
-    never grows past it). ``durable=True`` fsyncs every commit (off by default: a process crash
-    loses nothing either way, an OS crash may lose recent writes, which checksums then reject).
-    ``writemap``: write values straight into the shared map (its disk blocks are reserved first;
-    where they cannot be, the store runs without it). ``hugepages``: advise huge pages on the map
-    (faster cold reads, but a write may stall on memory compaction; off by default).
-    ``io_threads``: threads that hash and copy page bytes (default: 2 where 2 cores exist)."""
+    """``path``: the store directory; ``budget_bytes``: the most disk it may use (the map never
+    grows past it). Options are described in ``docs/storage_tier.md``: ``durable`` (fsync every
+    commit), ``writemap`` (values straight into the reserved shared map), ``hugepages`` (huge-page
+    advice on the map), ``io_threads`` (threads that hash and copy page bytes)."""
 
     def __init__(
         self,
@@ -100,7 +97,11 @@ class LMDBStorage(PageStorage):
         self._env = self._shared.env
         self._lock = self._shared.lock
         self._data_file = data
-        self._books = Books.open(self._env, self.page_nbytes)
+        try:
+            self._books = Books.open(self._env, self.page_nbytes)
+        except lmdb.Error as exc:  # a full disk while creating its databases, a corrupt file
+            lmdb_env.release(self._shared)
+            raise StorageOpenError(f"cannot open LMDB store at {self.path}: {exc}") from exc
         self._pages, self._headers = self._books.pages, self._books.headers
         self._pid = os.getpid()
 
@@ -383,8 +384,7 @@ class LMDBStorage(PageStorage):
 
     def disk_bytes(self) -> int:
         """Size of the data file on disk."""
-        data = self.path / "data.mdb"
-        return data.stat().st_size if data.exists() else 0
+        return self._data_file.stat().st_size if self._data_file.exists() else 0
 
     def close(self) -> None:
         """Flush recency, sync, and release this process's environment when its last store on

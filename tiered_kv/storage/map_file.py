@@ -33,6 +33,25 @@ _libc.madvise.restype = ctypes.c_int
 UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
 
+LOCK_BYTES = 64 << 10  # LMDB's lock file: its reader table for 256 readers, with room to spare
+
+
+def reserve_new(path: Path, size: int) -> int:
+    """Create ``path`` if missing and allocate disk blocks for its first ``size`` bytes (LMDB
+    maps its lock file and writes through the mapping: on a full disk a sparse one is a
+    SIGBUS). Returns 0 or the errno that stopped it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    try:
+        if _libc.fallocate(fd, 0, 0, size) != 0:
+            return ctypes.get_errno() or errno.EIO
+        return 0
+    finally:
+        os.close(fd)
+
+
 def reserve(data_file: Path, size: int) -> int:
     """Allocate disk blocks for the first ``size`` bytes of ``data_file`` (growing the file to
     at least ``size``). Returns 0, or the errno that stopped it: ENOSPC / EDQUOT / EFBIG when
