@@ -411,7 +411,9 @@ def test_many_concurrent_host_loads(make_cache, gen, monkeypatch):
     assert_no_leak(cache)
 
 
-def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
+def host_only_prefix_with_failing_loads(make_cache, gen, monkeypatch):
+    """A cache (no storage) whose one 21-token prompt is host-only, with host -> device loads
+    made to fail. Returns (cache, model, prompt, the real load function)."""
     cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
     model = Model(cache, gen)
     (a,) = make_prompts(gen, [21])
@@ -424,6 +426,11 @@ def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    return cache, model, a, real
+
+
+def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
+    cache, model, a, real = host_only_prefix_with_failing_loads(make_cache, gen, monkeypatch)
     req = cache.begin(a)
     assert req.hits.host == 20
     with pytest.raises(RuntimeError):
@@ -438,18 +445,7 @@ def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
 def test_failed_load_is_not_matched_while_its_request_holds_it(make_cache, gen, monkeypatch):
     """A second request begun while the first still holds a failed load's device copy must not
     be handed that garbage as its prefix: the stale part is a miss for it."""
-    cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
-    model = Model(cache, gen)
-    (a,) = make_prompts(gen, [21])
-    model.serve(a)
-    cache.drain()
-    cache.manager.evict_device(1 << 30)
-    real = cache.host_pool.load_to_device_per_layer
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    cache, model, a, real = host_only_prefix_with_failing_loads(make_cache, gen, monkeypatch)
     first = cache.begin(a)
     assert first.hits.host == 20
     cache.drain()  # the load's failure is acknowledged: its device copy is stale, still held
@@ -1070,17 +1066,7 @@ def test_the_default_prefetch_policy_serves_a_restart_from_storage(tmp_path, gen
 def test_a_poll_before_the_forward_does_not_hide_a_failed_load(make_cache, gen, monkeypatch):
     """Issue 12: acknowledging a failed host -> device load (a poll between begin and the
     forward) must not let the forward read the half-copied slots without an error."""
-    cache = make_cache(device_tokens=128, host_tokens=256, storage_bytes=0)
-    model = Model(cache, gen)
-    (a,) = make_prompts(gen, [21])
-    model.serve(a)
-    cache.drain()
-    cache.manager.evict_device(1 << 30)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    cache, model, a, _ = host_only_prefix_with_failing_loads(make_cache, gen, monkeypatch)
     req = cache.begin(a)
     assert req.hits.host == 20
     cache.drain()
