@@ -693,7 +693,7 @@ def test_removed_storage_directory(make_cache, gen):
 @pytest.mark.parametrize("page", [0, 2])
 def test_corrupted_page_is_a_miss(make_cache, gen, where, page):
     cache, model, p = stored_then_cleared(make_cache, gen, storage_batch_pages=32)
-    store = cache.storage
+    store = cache.storage.inner
     keys = page_keys(cache.manager.namespace, p[:48], PAGE)
     db = store._pages if where == "payload" else store._headers
     with store._lock, store._env.begin(write=True) as txn:
@@ -777,6 +777,10 @@ def test_stats_consistent_with_request_hits(make_cache, gen):
         "checksum_failures": 0,
         "errors": 0,
         "pages": sum(aligned(len(p)) for p in prompts) // PAGE,
+        "reopens": 0,
+        "turned_off": 0,
+        "skipped_while_off": 0,
+        "off": 0,
     }
     occ = st["occupancy"]
     assert 0 < occ["device_tokens"] <= 64 and 0 < occ["host_tokens"] <= 160

@@ -9,6 +9,7 @@ transfer workers, the tree and the manager. A failure part way closes what was b
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import psutil
@@ -26,6 +27,7 @@ from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.names import ModelKind
 from tiered_kv.storage import LMDBStorage, StorageNamespace
+from tiered_kv.storage.guarded_store import GuardedStorage
 from tiered_kv.transfer.device_host import DeviceHostTransfer
 from tiered_kv.transfer.host_storage import HostStorageTransfer
 from tiered_kv.tree.tiered_tree import TieredTree
@@ -36,7 +38,7 @@ class CacheParts(NamedTuple):
     allocator: PagedTokenToKVPoolAllocator
     req_to_token: ReqToTokenPool
     host_pool: HostKVCache | None
-    storage: LMDBStorage | None
+    storage: GuardedStorage | None  # the LMDB store, reopened or turned off when it keeps failing
     device_host: DeviceHostTransfer | None
     host_storage: HostStorageTransfer | None
     manager: CacheManager
@@ -120,14 +122,17 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
                 namespace = StorageNamespace.for_host_pool(
                     host_pool, tenant=s.namespace_salt, model=s.model_id, rank=s.rank
                 )
-                storage = LMDBStorage(
-                    c.storage_dir,
-                    namespace,
-                    host_pool.page_nbytes,
-                    budget_bytes=s.storage_bytes,
-                    durable=s.durable,
-                    hugepages=s.hugepages,
-                    io_threads=s.io_threads,
+                storage = GuardedStorage(
+                    functools.partial(
+                        LMDBStorage,
+                        c.storage_dir,
+                        namespace,
+                        host_pool.page_nbytes,
+                        budget_bytes=s.storage_bytes,
+                        durable=s.durable,
+                        hugepages=s.hugepages,
+                        io_threads=s.io_threads,
+                    )
                 )
                 opened.append(storage)
                 host_storage = HostStorageTransfer(

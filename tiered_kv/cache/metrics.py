@@ -106,6 +106,11 @@ class CacheMetrics:
                 # The manager's count plus the disk trouble the store absorbed itself.
                 "errors": self.storage_errors + (sum(st.errors.values()) if st else 0),
                 "pages": st.pages if st else 0,
+                # A store failing every call is reopened, then turned off (GuardedStorage).
+                "reopens": st.reopens if st else 0,
+                "turned_off": st.turned_off if st else 0,
+                "skipped_while_off": st.skipped_while_off if st else 0,
+                "off": int(st.off) if st else 0,
             },
             "occupancy": dict(occupancy),
         }
@@ -115,7 +120,7 @@ class CacheMetrics:
 # rate (gbps) besides its counters.
 _COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions"}
 _GAUGE_KEYS = {"gbps"}
-_COUNTER_KEYS = {"checksum_failures", "errors"}
+_COUNTER_KEYS = {"checksum_failures", "errors", "reopens", "turned_off", "skipped_while_off"}
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
 
 

@@ -70,6 +70,12 @@ class StorageStats:
     evictions: int = 0
     map_resizes: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    # A GuardedStorage's events (zero for a bare store): reopens after failing calls in a row,
+    # times it was turned off, calls answered as misses while off, and whether it is off now.
+    reopens: int = 0
+    turned_off: int = 0
+    skipped_while_off: int = 0
+    off: bool = False
 
     def count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -95,6 +101,7 @@ class PageStorage(abc.ABC):
             raise InvalidArgumentError(f"page_nbytes={page_nbytes!r} must be an int >= 1")
         self.namespace = namespace
         self.page_nbytes = page_nbytes
+        self._stats = StorageStats()  # implementations replace it with their own counters
 
     # -- argument checks shared by implementations --------------------------------------------
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -173,6 +180,11 @@ class PageStorage(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> StorageStats: ...
+
+    def error_count(self) -> int:
+        """How many errors the store has counted since it opened; cheap (no I/O), so a caller
+        can tell whether one call met trouble."""
+        return sum(self._stats.errors.values())
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; the default has none."""
