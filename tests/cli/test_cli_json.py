@@ -196,6 +196,23 @@ def test_run_second_run_reuses_the_store(runs):
     assert second["verification"]["passed"] is True
 
 
+def test_run_with_another_model_of_the_same_kv_shape_never_reads_its_pages(runs, tmp_path):
+    """Issue 12: ``--hidden 64`` on the store the ``--hidden 32`` runs filled has the same KV
+    shape but other weights; it reused their pages and failed verification (0 of 18 bitwise)."""
+    import shutil
+
+    store = str(tmp_path / "store")
+    shutil.copytree(runs["store"], store)
+    code, other, _ = _run(["--store", store, "--hidden", "64"])
+    assert code == 0
+    req0 = other["per_request"][0]  # only the other model's pages could serve it
+    assert req0["storage"] == 0 and req0["recomputed"] == req0["prompt_tokens"]
+    assert other["verification"]["passed"] is True
+    assert other["verification"]["bitwise"] == other["verification"]["requests"]
+    code, same, _ = _run(["--store", store, "--no-verify"])  # the first model still hits
+    assert code == 0 and same["per_request"][0]["storage"] > 0
+
+
 def test_run_fresh_empties_the_store(runs):
     _, first, _ = runs["first"]
     code, fresh, out = runs["fresh"]
