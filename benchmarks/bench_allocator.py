@@ -29,7 +29,8 @@ number of tokens per call, and the median of the per-call time divided by its to
 Correctness is checked once per (page size, batch) outside the timing, on one fixed draw: the
 slots are distinct, outside page 0 and inside the pool, each new token sits at its position's
 offset in a page and continues its predecessor's page, and every backend (plus the paged torch
-path at page size 1) returns identical tensors and leaves an identical free list. A mismatch
+path at page size 1) returns identical tensors and leaves an identical free list (the same
+pages where the token allocator, which appends freed slots, orders them differently). A mismatch
 aborts the run.
 
 Run::

@@ -11,6 +11,9 @@ import torch
 
 # Tests run on CPU; the Triton path runs under the interpreter there.
 os.environ.setdefault("TIERED_KV_DEVICE", "cpu")
+# Allocators built without debug_mode= check index values (double frees, ranges, last_loc),
+# as production does not; tests of the production default pass debug_mode=False.
+os.environ.setdefault("TIERED_KV_DEBUG", "1")
 
 # Fresh data every run; rerun a failure with TIERED_KV_TEST_SEED=<the seed in the header>.
 BASE_SEED = int(os.environ.get("TIERED_KV_TEST_SEED", random.randrange(2**31)))

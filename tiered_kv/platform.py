@@ -11,7 +11,11 @@ correct but slow, it picks ``native`` for page transfers (when a C compiler is p
   available, else ``cpu``;
 - ``TIERED_KV_CACHE_DIR`` (else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``): where
   the native copier is built and ``tiered-kv run`` keeps its store;
-- ``CC``: the C compiler tried first for the native copier.
+- ``CC``: the C compiler tried first for the native copier;
+- ``TIERED_KV_DEBUG``: ``1`` turns on the allocators' debug mode (checks that read index
+  values: ranges, double frees, ``last_loc`` and length consistency; a device sync each on
+  CUDA) for every allocator built without an explicit ``debug_mode=``; default off. The test
+  suite sets it.
 
 Tests override the choice with :func:`use_kernel_backend`. GPU-only imports stay lazy, so
 ``import tiered_kv`` works on any machine.
@@ -35,6 +39,9 @@ from tiered_kv.errors import BackendUnavailableError, InvalidArgumentError
 ENV_KERNEL_BACKEND = "TIERED_KV_KERNEL_BACKEND"
 ENV_DEVICE = "TIERED_KV_DEVICE"
 ENV_CACHE_DIR = "TIERED_KV_CACHE_DIR"
+ENV_DEBUG = "TIERED_KV_DEBUG"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 class KernelBackend(str, enum.Enum):
@@ -60,6 +67,20 @@ def cache_dir() -> Path:
 def c_compilers() -> list[str]:
     """C compilers to try, in order: ``$CC`` first when set."""
     return [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c]
+
+
+def debug_mode() -> bool:
+    """Whether allocators built without ``debug_mode=`` check index values:
+    ``TIERED_KV_DEBUG`` (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/unset),
+    read at each construction."""
+    text = os.environ.get(ENV_DEBUG, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise InvalidArgumentError(
+        f"{ENV_DEBUG}={os.environ[ENV_DEBUG]!r} is not a switch; use 1 (on) or 0 (off)"
+    )
 
 
 def cuda_available() -> bool:

@@ -409,3 +409,19 @@ def test_evict_to_free_tokens_calls_evict_fn_with_the_shortfall():
     assert asked == [32]
     assert alloc.evict_to_free_tokens(20, lambda n: pytest.fail("must not evict"))
     assert not alloc.evict_to_free_tokens(1000, lambda n: None)
+
+
+@pytest.mark.parametrize("n_pages", [3, 10, 40, 400])
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_free_finds_each_page_once_on_every_path(gen, n_pages, page_size):
+    """Small frees (a Python set on CPU), large ones (torch.unique) and very large ones (runs of
+    a page dropped first): each page comes back once, and the pages come back ascending."""
+    alloc = make(size_pages=512, page_size=page_size)
+    slots = alloc.alloc(512 * page_size)
+    pages = torch.randperm(512, generator=gen)[:n_pages] + 1
+    owned = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    # Runs of a page in order, then the same slots shuffled again (every slot twice).
+    listed = torch.cat((owned, owned[torch.randperm(owned.numel(), generator=gen)]))
+    assert slots.numel() == 512 * page_size
+    alloc.free(listed)
+    assert alloc.free_pages.tolist() == sorted(pages.tolist())

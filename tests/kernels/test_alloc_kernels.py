@@ -139,3 +139,47 @@ def test_triton_launcher_rejects_mismatched_shapes():
             out,
             16,
         )
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 48])
+@pytest.mark.parametrize("bs", [1, 2, 40])
+def test_reference_with_host_hints_matches_oracle(gen, page_size, bs):
+    """The allocator passes what it knows on the host (the CPU lengths, the page count); the
+    reference's short paths (one request, page size 1) and its general path agree with the
+    oracle with and without them, and read no page past the count."""
+    prefix, seq, last_loc = _random_extend_batch(gen, bs, page_size)
+    need = int(((seq + page_size - 1) // page_size - (prefix + page_size - 1) // page_size).sum())
+    free_pages = _free_pages_with_poison(gen, need)
+    expect, _ = naive_extend(
+        prefix.tolist(), seq.tolist(), last_loc.tolist(), free_pages.tolist(), page_size
+    )
+    hints = dict(num_new_pages=need, prefix_lens_cpu=prefix.clone(), seq_lens_cpu=seq.clone())
+    for backend in ("torch", "triton"):
+        out = torch.full((int((seq - prefix).sum()),), -7, dtype=torch.int64)
+        kernels = alloc_kernels(CPU, backend)
+        kernels.alloc_extend(prefix, seq, last_loc, free_pages, out, page_size, **hints)
+        assert out.tolist() == expect
+
+
+@pytest.mark.parametrize("opening", ["none", "all", "some"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_with_no_all_or_some_new_pages(gen, opening, page_size):
+    bs = 37
+    seq = torch.randint(2, 500, (bs,), generator=gen)
+    seq = torch.where(seq % page_size == 1, seq + 1, seq)  # nobody opens a page
+    if opening == "all":
+        seq = (seq // page_size) * page_size + 1
+    elif opening == "some":
+        seq[::3] = (seq[::3] // page_size) * page_size + 1
+    pages = torch.randint(1, 10_000, (bs,), generator=gen)
+    last_loc = torch.where(seq > 1, pages * page_size + (seq - 2) % page_size, -1)
+    need = int((seq % page_size == 1).sum())
+    free_pages = _free_pages_with_poison(gen, need)
+    expect, used = naive_decode(seq.tolist(), last_loc.tolist(), free_pages.tolist(), page_size)
+    assert (
+        used == need and (need == 0) == (opening == "none") and (need == bs) == (opening == "all")
+    )
+    for hint in ({}, {"num_new_pages": need, "seq_lens_cpu": seq.clone()}):
+        out = torch.full((bs,), -7, dtype=torch.int64)
+        alloc_kernels(CPU, "torch").alloc_decode(seq, last_loc, free_pages, out, page_size, **hint)
+        assert out.tolist() == expect

@@ -76,6 +76,7 @@ def interleave(
     budget_s: float = math.inf,
     budget_arms: Collection[str] | None = None,
     after_round: Callable[[int], None] | None = None,
+    rotate: bool = False,
 ) -> dict[str, list[T]]:
     """Round-robin measurement: each round calls every arm once, in the mapping's order.
 
@@ -86,17 +87,20 @@ def interleave(
     least ``min_repeats`` (default: ``repeats``) kept rounds, stops once the float results of
     ``budget_arms`` (default: every arm) sum to ``budget_s`` or more. Returns each arm's kept
     results, in round order; every list has the same length. ``after_round(round)`` (e.g. a
-    progress line) runs after each round.
+    progress line) runs after each round. With ``rotate`` round ``i`` starts at arm ``i mod
+    len(arms)``, so no arm always runs first (after the same warm or cold caches).
     """
     if repeats < 1 or warmup < 0:
         raise InvalidArgumentError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     floor = repeats if min_repeats is None else max(1, min(min_repeats, repeats))
     counted = set(arms) if budget_arms is None else set(budget_arms)
     out: dict[str, list[T]] = {name: [] for name in arms}
+    names = list(arms)
     for i in range(-warmup, repeats):
         arg = setup(i) if setup is not None else None
-        for name, arm in arms.items():
-            result = arm(arg)
+        start = i % len(names) if rotate and names else 0
+        for name in names[start:] + names[:start]:
+            result = arms[name](arg)
             if i >= 0:
                 out[name].append(result)
         if after_round is not None:

@@ -133,8 +133,13 @@ def alloc_extend(
     free_pages: torch.Tensor,
     out_indices: torch.Tensor,
     page_size: int,
+    *,
+    num_new_pages: int | None = None,
+    prefix_lens_cpu: torch.Tensor | None = None,
+    seq_lens_cpu: torch.Tensor | None = None,
 ) -> None:
-    """Launch :func:`alloc_extend_kernel`: one program per request, filling ``out_indices``."""
+    """Launch :func:`alloc_extend_kernel`: one program per request, filling ``out_indices``.
+    The host-side hints of the torch reference are accepted and not needed."""
     bs = prefix_lens.numel()
     _check_vectors(bs, prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last_loc)
     if bs == 0 or out_indices.numel() == 0:
@@ -163,8 +168,12 @@ def alloc_decode(
     free_pages: torch.Tensor,
     out_indices: torch.Tensor,
     page_size: int,
+    *,
+    num_new_pages: int | None = None,
+    seq_lens_cpu: torch.Tensor | None = None,
 ) -> None:
-    """Launch :func:`alloc_decode_kernel`: one program per request, one slot each."""
+    """Launch :func:`alloc_decode_kernel`: one program per request, one slot each (the
+    reference's hints are accepted and not needed)."""
     bs = seq_lens.numel()
     _check_vectors(bs, seq_lens=seq_lens, last_loc=last_loc, out_indices=out_indices)
     if bs == 0:

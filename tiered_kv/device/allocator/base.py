@@ -1,9 +1,10 @@
 """BaseTokenToKVPoolAllocator: one interface for every allocator, plus the shared free list.
 
-Bookkeeping only: a tensor of free page ids (``free_pages``) on the allocator's device and a list
-of staged (freed but not yet merged) page id tensors. Page p covers slots p*page_size ..
-p*page_size + page_size - 1; page 0 is the padding sink and is never handed out. With page_size 1
-pages and slots coincide.
+Bookkeeping only: the free ids in one preallocated buffer on the allocator's device
+(``free_list``: a queue for the token allocator, a stack for the paged one) and a list of staged
+(freed but not yet merged) page id tensors. Page p covers slots p*page_size .. p*page_size +
+page_size - 1; page 0 is the padding sink and is never handed out. With page_size 1 pages and
+slots coincide.
 
 Contracts:
 - an allocation that cannot be satisfied returns None and changes nothing (at most it merges
@@ -11,26 +12,39 @@ Contracts:
 - ``available_size()`` counts staged pages;
 - a call that raises changes nothing;
 - the scheduler calls the capacity hooks without branching on the allocator type.
+
+Checks: shapes, dtypes and devices always (attribute reads); the checks that read index values
+(ranges of freed slots, double frees, ``last_loc`` and length consistency) only in debug mode
+(``debug_mode=``, default ``TIERED_KV_DEBUG``), where each raises before anything changes.
+Nothing here syncs with the device unless debug mode is on, except ``free``'s deduplication
+(``torch.unique``, as in the seed; ``free_segment`` avoids it).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from tiered_kv import platform
-from tiered_kv._checks import check_index_tensor, check_positive_int, check_range
+from tiered_kv._checks import check_positive_int
+from tiered_kv.device.allocator import debug
+from tiered_kv.device.allocator.capacity import CapacityHooks
+from tiered_kv.device.allocator.free_list import PageStack, SlotQueue
+from tiered_kv.device.allocator.inputs import check_index
 from tiered_kv.device.kv_cache import KVCache
-from tiered_kv.device.sizing import AllocSizingConfig, get_alloc_reserve_per_decode
+from tiered_kv.device.sizing import AllocSizingConfig
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
+
+# From this many slots on, ``free`` drops runs of one page first (a linear pass): the sort in
+# ``torch.unique`` then sees one id per page instead of page_size ids (5-10x at 33k slots).
+RUNS_FIRST = 1024
 
 
 class AllocatorState(NamedTuple):
-    """A snapshot for ``restore_state``. Tensors are never mutated in place, so holding
-    references is a faithful copy."""
+    """A snapshot for ``restore_state``: the free ids as they were (a copy, or a view that
+    nothing writes again) and the staged tensors (never mutated in place)."""
 
     allocator_id: int
     free_pages: torch.Tensor
@@ -38,7 +52,7 @@ class AllocatorState(NamedTuple):
     num_staged_pages: int
 
 
-class BaseTokenToKVPoolAllocator(abc.ABC):
+class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
     """Maps "n new tokens" to physical slots of a KV pool of ``size`` usable slots."""
 
     def __init__(
@@ -50,7 +64,7 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
         kvcache: KVCache | None = None,
         need_sort: bool = False,
         *,
-        debug_mode: bool = False,
+        debug_mode: bool | None = None,
         sizing: AllocSizingConfig | None = None,
     ) -> None:
         self.size = check_positive_int("size", size)
@@ -63,6 +77,11 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
         self.num_pages = size // page_size
         self.dtype = dtype
         self.device = platform.resolve_device(device)
+        # None: the CPU; else the CUDA index a tensor's get_device() must return.
+        self.device_index: int | None = None
+        if self.device.type == "cuda":
+            index = self.device.index
+            self.device_index = torch.cuda.current_device() if index is None else index
         if kvcache is not None and (kvcache.size != size or kvcache.page_size != page_size):
             raise InvalidArgumentError(
                 f"kvcache has size={kvcache.size}, page_size={kvcache.page_size}; the allocator "
@@ -70,45 +89,60 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
             )
         self._kvcache = kvcache
         self.need_sort = bool(need_sort)
-        self.debug_mode = bool(debug_mode)
+        self.debug_mode = platform.debug_mode() if debug_mode is None else bool(debug_mode)
         self.sizing = sizing if sizing is not None else AllocSizingConfig(page_size=page_size)
-        # Reading index values to validate them is free on CPU and a sync on CUDA.
-        self.validate_values = self.device.type == "cpu" or self.debug_mode
+        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+        self.free_list = self._new_free_list()
         self.free_group: list[torch.Tensor] | None = None
         self.free_page_ids_group: list[torch.Tensor] | None = None
         self.clear()
 
+    def _new_free_list(self) -> SlotQueue | PageStack:
+        """The free list's order: a stack (last freed, first reused) unless overridden."""
+        return PageStack(self.num_pages, self.device)
+
     # -- state ------------------------------------------------------------------------------
     def clear(self) -> None:
-        """Every page free again, sorted ascending; staged pages and an open free group dropped."""
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        """Every page free again, ascending; staged pages and an open free group dropped."""
+        self.free_list.clear()
         self.staged_pages: list[torch.Tensor] = []
         self.num_staged_pages = 0
         self.free_group = None
         self.free_page_ids_group = None
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free page ids that allocations take from, head first (staged ones excluded): a
+        view, valid until the next free (``backup_state`` keeps a copy)."""
+        return self.free_list.live
+
+    @free_pages.setter
+    def free_pages(self, ids: torch.Tensor) -> None:
+        self.free_list.replace(ids)
 
     def get_kvcache(self) -> KVCache | None:
         return self._kvcache
 
     def available_size(self) -> int:
         """Free tokens, staged pages included."""
-        return (len(self.free_pages) + self.num_staged_pages) * self.page_size
+        return (self.free_list.count + self.num_staged_pages) * self.page_size
 
     def get_all_free_pages(self) -> torch.Tensor:
-        return torch.cat((self.free_pages, *self.staged_pages))
+        """A new tensor of every free page id, staged ones last."""
+        return torch.cat((self.free_list.live, *self.staged_pages))
 
     def merge_and_sort_free(self) -> None:
         """Fold staged pages into ``free_pages`` and sort, so later allocations take runs of
         consecutive pages. Deferred until an allocation finds ``free_pages`` short."""
         if not self.staged_pages:
             return
-        self.free_pages, _ = torch.sort(self.get_all_free_pages())
+        self.free_list.replace(torch.sort(self.get_all_free_pages())[0])
         self.staged_pages = []
         self.num_staged_pages = 0
 
     def backup_state(self) -> AllocatorState:
         return AllocatorState(
-            id(self), self.free_pages, tuple(self.staged_pages), self.num_staged_pages
+            id(self), self.free_list.snapshot(), tuple(self.staged_pages), self.num_staged_pages
         )
 
     def restore_state(self, state: AllocatorState) -> None:
@@ -118,7 +152,7 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
             )
         if self.free_group is not None:
             raise StateError("restore_state inside a free group; call free_group_end first")
-        self.free_pages = state.free_pages
+        self.free_list.replace(state.free_pages)
         self.staged_pages = list(state.staged_pages)
         self.num_staged_pages = state.num_staged_pages
 
@@ -152,58 +186,71 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
         """One slot per request for the token that makes its length ``seq_lens[i]``."""
 
     # -- freeing ----------------------------------------------------------------------------
-    def _check_slots(self, name: str, free_index: torch.Tensor) -> None:
-        check_index_tensor(name, free_index, self.device)
-        if self.validate_values:
-            lo = self.page_size  # page 0 is padding
-            check_range(name, free_index, lo, (self.num_pages + 1) * self.page_size)
+    def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Each page holding one of ``slots``, once, ascending. At page size 1 a slot is its
+        page: a slot listed twice is a double free, which only debug mode looks for."""
+        if self.page_size == 1:
+            return slots
+        pages = slots >> self._shift if self._shift >= 0 else slots // self.page_size
+        if pages.shape[0] >= RUNS_FIRST:
+            pages = torch.unique_consecutive(pages)
+        # torch.unique's own call (sorted, nothing else returned) without its Python wrapper,
+        # 1.5 of the ~8 us it takes for a few hundred slots on a CPU.
+        return torch._unique2(pages)[0]
 
     def free(self, free_index: torch.Tensor) -> None:
         """Return the pages holding ``free_index`` (each page once, however many of its slots
-        are listed). Inside a free group the release waits for ``free_group_end``. Slot 0 or a
-        slot outside the pool raises; in debug mode so does a page that is already free."""
-        self._check_slots("free_index", free_index)
-        if free_index.numel() == 0:
+        are listed; at page size 1 list each slot once). Inside a free group the release waits
+        for ``free_group_end``. Debug mode first refuses a slot outside the pool (slot 0
+        included) and a page that is already free, changing nothing."""
+        check_index("free_index", free_index, self)
+        if free_index.shape[0] == 0:
             return
         if self.free_group is not None:
             self.free_group.append(free_index.clone())
             return
-        page_ids = torch.unique(free_index // self.page_size)
-        self._release_checked((page_ids,))
+        if self.debug_mode:
+            debug.check_slots(self, "free_index", free_index)
+        pages = self._pages_of(free_index)
+        if pages is free_index and self.need_sort:
+            pages = pages.clone()  # staged for later: never the caller's tensor
+        self._release((pages,))
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """``free`` for a segment that starts on a page boundary (``start_pos``, the position of
         ``free_index[0]`` in its request) and lists each page's slots contiguously: then
         ``free_index[::page_size]`` names each page once and no ``torch.unique`` is needed."""
-        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+        if type(start_pos) is not int or start_pos < 0:
             raise InvalidArgumentError(f"start_pos={start_pos!r} must be an int >= 0")
         if start_pos % self.page_size:
             raise InvalidArgumentError(
                 f"segment start {start_pos} is not page-aligned (page_size={self.page_size}); "
                 "use free() for unaligned segments"
             )
-        self._check_slots("free_index", free_index)
-        if free_index.numel() == 0:
+        check_index("free_index", free_index, self)
+        if free_index.shape[0] == 0:
+            return
+        if self.debug_mode:
+            debug.check_slots(self, "free_index", free_index)
+        if self.page_size == 1:
+            self.free_page_ids(free_index)
             return
         reps = free_index[:: self.page_size] // self.page_size
         if self.debug_mode:
-            pages = free_index // self.page_size
-            if (
-                not torch.equal(torch.unique(pages), torch.unique(reps))
-                or reps.numel() != torch.unique(reps).numel()
-            ):
-                raise InvalidArgumentError(
-                    "free_segment: free_index does not list each page's slots contiguously from a "
-                    "page boundary; use free()"
-                )
+            debug.check_segment(free_index, reps, self.page_size)
         self.free_page_ids(reps)
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
-        """Release whole pages by id (deferred inside a free group)."""
-        if self.free_page_ids_group is not None:
-            self.free_page_ids_group.append(page_ids.clone())
+        """Release whole pages by id, each listed once (deferred inside a free group)."""
+        check_index("page_ids", page_ids, self)
+        if page_ids.shape[0] == 0:
             return
-        self._release_checked((page_ids,))
+        if self.free_page_ids_group is not None or self.need_sort:
+            page_ids = page_ids.clone()  # kept for later: never the caller's tensor
+        if self.free_page_ids_group is not None:
+            self.free_page_ids_group.append(page_ids)
+            return
+        self._release((page_ids,))
 
     def free_group_begin(self) -> None:
         """Collect frees until ``free_group_end`` and release them with one concatenation."""
@@ -214,119 +261,45 @@ class BaseTokenToKVPoolAllocator(abc.ABC):
 
     def free_group_end(self) -> None:
         """Release everything freed since ``free_group_begin``. The no-double-free contract can
-        only be checked here (grouped pages are not in the free list yet); debug mode does."""
+        only be checked here (grouped pages are not in the free list yet); debug mode does,
+        before releasing anything."""
         if self.free_group is None:
             raise StateError("free_group_end called without free_group_begin")
         parts: list[torch.Tensor] = []
         if self.free_group:
-            parts.append(torch.unique(torch.cat(self.free_group) // self.page_size))
+            parts.append(self._pages_of(torch.cat(self.free_group)))
         parts.extend(self.free_page_ids_group or [])
         if parts:
-            self._release_checked(tuple(parts))
+            self._release(tuple(parts))
         self.free_group = None
         self.free_page_ids_group = None
 
-    def _release_checked(self, page_ids: tuple[torch.Tensor, ...]) -> None:
+    def _release(self, page_ids: tuple[torch.Tensor, ...]) -> None:
         if self.debug_mode:
-            self._debug_check_release(page_ids)
-        self._release_page_ids(*page_ids)
-
-    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+            debug.check_release(self, page_ids)
+        n = page_ids[0].shape[0] if len(page_ids) == 1 else sum(t.shape[0] for t in page_ids)
+        free = self.free_list.count + self.num_staged_pages
+        if free + n > self.num_pages:
+            # Counting needs no value read: more pages back than were handed out.
+            raise OwnershipError(
+                f"double free: {n} pages freed but only {self.num_pages - free} of "
+                f"{self.num_pages} are allocated"
+            )
         # need_sort: stage now, merge and sort only when an allocation finds free_pages short.
         if self.need_sort:
             self.staged_pages.extend(page_ids)
-            self.num_staged_pages += sum(int(ids.numel()) for ids in page_ids)
+            self.num_staged_pages += n
         else:
-            self.free_pages = torch.cat((*page_ids, self.free_pages))
+            self._put(page_ids)
 
-    def _debug_check_release(self, page_ids: tuple[torch.Tensor, ...]) -> None:
-        """Raise (changing nothing) if releasing ``page_ids`` would put a page in the free list
-        twice, or release the padding page or a page outside the pool."""
-        new = torch.cat(page_ids)
-        bad = new[(new < 1) | (new > self.num_pages)]
-        if bad.numel():
-            raise OwnershipError(
-                f"pages {bad[:8].tolist()} are outside 1..{self.num_pages} (page 0 is padding)"
-            )
-        merged = torch.cat((self.get_all_free_pages(), new))
-        uniq, counts = torch.unique(merged, return_counts=True)
-        dup = uniq[counts > 1]
-        if dup.numel():
-            raise OwnershipError(
-                f"double free: pages {dup[:16].tolist()} would be in the free list twice "
-                f"({int(dup.numel())} pages)"
-            )
+    def _put(self, page_ids: tuple[torch.Tensor, ...]) -> None:
+        # A stack: the first part ends up in front, as torch.cat((*page_ids, free_pages)).
+        if len(page_ids) == 1:
+            self.free_list.put(page_ids[0])
+            return
+        for ids in reversed(page_ids):
+            self.free_list.put(ids)
 
     def debug_check_no_duplicate_pages(self) -> None:
         """Raise if the free list (staged included) holds a page twice or an invalid page."""
-        pages = self.get_all_free_pages()
-        uniq, counts = torch.unique(pages, return_counts=True)
-        if (counts > 1).any():
-            raise OwnershipError(f"free list holds pages twice: {uniq[counts > 1][:16].tolist()}")
-        if pages.numel() and (int(pages.min()) < 1 or int(pages.max()) > self.num_pages):
-            raise OwnershipError(f"free list holds pages outside 1..{self.num_pages}")
-
-    # -- scheduler-facing capacity hooks ------------------------------------------------------
-    # The scheduler calls these unconditionally, with no allocator-type branches on its side;
-    # byte-accounted composites override the token-count defaults.
-    def request_slot_reserve(self) -> int:
-        """Slots to keep per running request beyond its prefill: the per-step decode reserve
-        (twice one step's allocation, for overlap scheduling). Plain pools have no private
-        per-request workspace."""
-        return get_alloc_reserve_per_decode(self.sizing)
-
-    def max_new_tokens_for_memory(
-        self,
-        input_tokens: int,
-        max_new_tokens: int,
-        *,
-        token_capacity: int,
-        sliding_window_size: int | None = None,
-        chunk_size: int | None = None,
-    ) -> int | None:
-        """Clip generation to an empty pool of ``token_capacity`` tokens: the prompt rounded up
-        to pages, one more page for the page the last token may open, and one slot, as the seed
-        computes it (0 when that budget is used up). None only when the prompt itself, rounded
-        up to pages, cannot fit. ``sliding_window_size``/``chunk_size`` matter only to
-        sliding-window composites."""
-        for name, value in (
-            ("input_tokens", input_tokens),
-            ("max_new_tokens", max_new_tokens),
-            ("token_capacity", token_capacity),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(f"{name}={value!r} must be an int >= 0")
-        paged_input = -(-input_tokens // self.page_size) * self.page_size
-        if paged_input > token_capacity:
-            return None
-        return max(0, min(max_new_tokens, token_capacity - paged_input - self.page_size - 1))
-
-    def _pages_for(self, num_tokens: int) -> int:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidArgumentError(f"num_tokens={num_tokens!r} must be an int >= 0")
-        return -(-num_tokens // self.page_size)
-
-    def prealloc_fits(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` (rounded up to pages) fit in the free pages now."""
-        return self._pages_for(num_tokens) * self.page_size <= self.available_size()
-
-    def prealloc_ceiling_fits(self, num_tokens: int, evictable_tokens: int = 0) -> bool:
-        """Whether ``num_tokens`` could fit after evicting up to ``evictable_tokens`` cached
-        tokens: the ceiling the scheduler may admit to, evicting first if ``prealloc_fits`` is
-        False."""
-        if (
-            isinstance(evictable_tokens, bool)
-            or not isinstance(evictable_tokens, int)
-            or evictable_tokens < 0
-        ):
-            raise InvalidArgumentError(f"evictable_tokens={evictable_tokens!r} must be an int >= 0")
-        evictable = evictable_tokens // self.page_size * self.page_size
-        return self._pages_for(num_tokens) * self.page_size <= self.available_size() + evictable
-
-    def evict_to_free_tokens(self, num_tokens: int, evict_fn: Callable[[int], object]) -> bool:
-        """Make ``num_tokens`` available: if short, call ``evict_fn(missing_tokens)`` once (it
-        evicts cached KV and frees it into this allocator). Returns whether they now fit."""
-        missing = self._pages_for(num_tokens) * self.page_size - self.available_size()
-        if missing > 0:
-            evict_fn(missing)
-        return self.prealloc_fits(num_tokens)
+        debug.check_no_duplicate_pages(self)
