@@ -4,6 +4,7 @@ prefix (an oracle in ``_tree_util``) and every copy is compared byte for byte.""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -12,6 +13,7 @@ import torch
 
 from tests.cache._tree_util import (
     HUGE,
+    LAYERS,
     attached,
     check_data,
     check_invariants,
@@ -20,6 +22,7 @@ from tests.cache._tree_util import (
     per_token,
     stack_factory,
 )
+from tiered_kv.cache import lifecycle
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage.memory_store import MemoryStorage
@@ -862,6 +865,140 @@ def test_selective_write_keeps_the_matched_host_part(gen, make_stack):
     s.assert_device(torch.cat([m.device_indices, slots]), p0 + a)
     check_invariants(s, outside_host=4)
     s.host.free(blocker)
+
+
+# -- a load failing under a request's feet (issue 12, found by tests/cache/test_fault_campaign) --
+def fail_next_load(s, monkeypatch, go: threading.Event) -> None:
+    """The next load waits for ``go``, copies layer 1 from the wrong host rows and fails there
+    (layers 0 and 2 land); every later load is real."""
+    real = s.host.load_to_device_per_layer
+    calls = itertools.count()
+
+    def load(pool, host_indices, device_indices, layer_id, io_backend="kernel"):
+        i = next(calls)
+        if i < LAYERS:
+            go.wait(10)
+        if i == 1:
+            real(pool, host_indices.flip(0), device_indices, layer_id, io_backend)
+            raise RuntimeError("load failed at layer 1")
+        real(pool, host_indices, device_indices, layer_id, io_backend)
+
+    monkeypatch.setattr(s.host, "load_to_device_per_layer", load)
+
+
+def split_host_only(s, gen) -> tuple[list[int], list[int]]:
+    """Two host-only nodes a | b (in storage too when the stack has it)."""
+    a, b = toks(gen, 8), toks(gen, 8)
+    s.put(a + b)
+    s.manager.match_prefix(a)  # a | b
+    s.drain()
+    s.manager.evict_device(HUGE)
+    assert host_only(s.node(a)) and host_only(s.node(a + b))
+    return a, b
+
+
+def check_grant(s, grant, tokens) -> None:
+    """The grant holds no stale copy, its hits add up, and its prefix reads back (through the
+    layer waits, as a forward reads it) as the oracle's KV."""
+    h = grant.hits
+    assert not s.manager.holds_stale(grant.node), "a failed load's copy was served"
+    assert h.device + h.host + h.storage == grant.prefix_len, h
+    assert h.missed == h.prompt_tokens - grant.prefix_len, h
+    assert all(n.on_device for n in path_to_root(grant.node) if n.parent is not None)
+    s.device_host.layer_done_counter.set_consumer(grant.load_slot)
+    k = torch.stack([s.pool.get_key_buffer(i)[grant.slots] for i in range(LAYERS)])
+    v = torch.stack([s.pool.get_value_buffer(i)[grant.slots] for i in range(LAYERS)])
+    ek, ev = s.expected(tokens[: grant.prefix_len])
+    assert torch.equal(k, ek) and torch.equal(v, ev), "the served prefix is not its KV"
+
+
+def test_load_back_below_a_load_in_flight_waits_for_it(gen, make_stack, monkeypatch):
+    """A chain loaded below a device part whose own load was still in flight was read through
+    the new load's layer events only, which cannot tell that the older load failed: the older
+    load's garbage was served. load_back waits for (and acknowledges) the loads in flight above
+    the chain first, and loads nothing below a failed one."""
+    s = make_stack(storage=False)
+    a, b = split_host_only(s, gen)
+    na, nb = s.node(a), s.node(a + b)
+    go = threading.Event()
+    fail_next_load(s, monkeypatch, go)
+    assert s.manager.load_back(na) is not None  # in flight; fails at layer 1
+    timer = threading.Timer(0.05, go.set)
+    timer.start()
+    slots = s.manager.load_back(nb)
+    timer.join()
+    assert slots is None, "a chain was loaded below a load in flight that failed"
+    assert host_only(na) and host_only(nb) and s.alloc.available_size() == s.device0
+    check_invariants(s)
+    slots = s.manager.load_back(nb)  # the next load is real: the whole chain comes back
+    s.drain()
+    s.assert_device(slots, a + b)
+    check_invariants(s)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "unheld"])
+def test_begin_looks_again_after_a_prefetch_acknowledged_a_failed_load(
+    gen, make_stack, monkeypatch, held
+):
+    """begin kept its first look at the tree after a prefetch, whose poll may acknowledge a
+    failed load of that look's device part: the request was handed the stale copy (another
+    request held it) or, once the prefetch let go of it, its freed slots (hits that did not add
+    up). It looks again after every prefetch."""
+    s = make_stack(device_pages=10, host_pages=16)
+    a, b = split_host_only(s, gen)
+    s.manager.evict_host(8)  # b leaves the tree (the store keeps it); a stays host-only
+    na = s.node(a)
+    assert not na.children and s.storage.batch_exists(s.keys_of(a + b)) == 4
+    go = threading.Event()
+    fail_next_load(s, monkeypatch, go)
+    first = lifecycle.begin(s.manager, a, prompt_tokens=9) if held else None
+    if not held:
+        assert s.manager.load_back(na) is not None
+    real_get = s.storage.batch_get
+
+    def get(keys, source, pages):  # the load above fails while the prefetch runs
+        go.set()
+        s.device_host.wait()
+        if held:
+            return real_get(keys, source, pages)
+        raise OSError("EIO")
+
+    monkeypatch.setattr(s.storage, "batch_get", get)
+    grant = lifecycle.begin(s.manager, a + b, prompt_tokens=17)
+    check_grant(s, grant, a + b)
+    assert grant.prefix_len == (0 if held else 8), grant.hits  # unheld: a is loaded again
+    for g in (grant, first):
+        if g is not None:
+            lifecycle.abort(s.manager, g, g.slots)
+    s.drain()
+    check_invariants(s)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "unheld"])
+def test_begin_whose_load_back_met_a_failed_load_serves_no_stale_slots(
+    gen, make_stack, monkeypatch, held
+):
+    """When load_back gives up because a failed load of the device part above surfaced while
+    it made room, begin fell back on its first look's device part: the stale copy, or its
+    freed slots once load_back let go of it. It looks again instead."""
+    s = make_stack(storage=False)
+    a, b = split_host_only(s, gen)
+    go = threading.Event()
+    fail_next_load(s, monkeypatch, go)
+    first = lifecycle.begin(s.manager, a, prompt_tokens=9) if held else None
+    if not held:
+        assert s.manager.load_back(s.node(a)) is not None
+    timer = threading.Timer(0.05, go.set)
+    timer.start()
+    grant = lifecycle.begin(s.manager, a + b, prompt_tokens=17)
+    timer.join()
+    check_grant(s, grant, a + b)
+    for g in (grant, first):
+        if g is not None:
+            lifecycle.abort(s.manager, g, g.slots)
+    s.drain()
+    check_invariants(s)
+    assert s.alloc.available_size() == s.device0
 
 
 # -- random operation sequences -------------------------------------------------------------

@@ -49,23 +49,28 @@ def begin(
     manager.poll()
     m = manager.match_prefix(tokens)
     hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
-    node = m.last_node
     if m.storage_hit_length >= max(1, prefetch_threshold):
         op = manager.prefetcher.start(m, tokens)
+        gained = 0
         if op is not None:
             gained = manager.prefetcher.finish(op, prefetch_wait(m.storage_hit_length))
-            if gained:
-                # A second look at this request's prefix: no second hit.
-                m2 = manager.match_prefix(tokens, check_storage=False, count_hit=False)
-                before = m.device_hit_length + m.host_hit_length
-                hits.storage = max(0, m2.device_hit_length + m2.host_hit_length - before)
-                m, node = m2, m2.last_node
+        # A second look at this request's prefix (no second hit), gained or not: the prefetch
+        # acknowledged finished jobs, so a failed load may have made part of the first look
+        # stale, and its release may have freed those device slots.
+        m = manager.match_prefix(tokens, check_storage=False, count_hit=False)
+        hits.device = m.device_hit_length
+        hits.storage = min(gained, m.host_hit_length)  # attached at the end of the host part
+        hits.host = m.host_hit_length - hits.storage
+    node = m.last_node
     slots = m.device_indices
     if not node.on_device and node.parent is not None:
         loaded = manager.load_back(node)
         if loaded is None:  # no device room: compute the host part instead
-            node = m.last_device_node
-            hits.host = hits.storage = 0
+            # A last look: making room acknowledged finished jobs, so a failed load may have
+            # made the device part stale (and freed it); a match stops before a stale copy.
+            m = manager.match_prefix(tokens, check_storage=False, count_hit=False)
+            node, slots = m.last_device_node, m.device_indices
+            hits.device, hits.host, hits.storage = m.device_hit_length, 0, 0
         else:
             slots = torch.cat([slots, loaded])
     # Hazard: a device part still being loaded (by this request, or by another one begun

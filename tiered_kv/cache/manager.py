@@ -214,9 +214,11 @@ class CacheManager:
     def load_back(self, node: TreeNode) -> torch.Tensor | None:
         """Bring the host-only chain ending at ``node`` back to the device, all or nothing, as
         one layer-wise load job. Returns the new device slots (top-down order), an empty tensor
-        if ``node`` is on the device, or None when the device cannot make room (nothing
-        changed, or the worker refused the load and what was set up for it is undone). The
-        caller should lock ``node`` while it uses it."""
+        if ``node`` is on the device, or None when the device cannot make room or the device
+        part above the chain turned out stale (nothing changed, or the worker refused the load
+        and what was set up for it is undone). Blocks on loads still in flight into that device
+        part, and may acknowledge finished jobs. The caller should lock ``node`` while it uses
+        it, and look at the tree again after None."""
         chain, n = [], node
         while n.parent is not None and not n.on_device:
             chain.append(n)
@@ -229,10 +231,21 @@ class CacheManager:
         self.inc_host_ref(node)
         self.inc_lock_ref(n)
         try:
+            above = [
+                m.pending[PendingKind.LOAD]
+                for m in path_to_root(n)
+                if PendingKind.LOAD in m.pending
+            ]
+            if above:
+                # Hazard: a reader of the chain waits on this load's layer events only, which
+                # cannot tell that a load still in flight into the device part above failed
+                # (that copy is garbage then). Wait for it and acknowledge it first.
+                self.device_host.wait(above)
+                self.poll()
             device = self.alloc_device(total)
             if device is not None and self.tree.holds_stale(n):
-                # Making room acknowledged a failed load of the device part above the chain:
-                # nothing is loaded below garbage.
+                # A failed load of the device part above the chain was acknowledged (just
+                # above, or while making room): nothing is loaded below garbage.
                 self.device.free(device)
                 device = None
         finally:
