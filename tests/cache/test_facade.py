@@ -20,6 +20,7 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.storage import SlabStorage, value_format
 from tiered_kv.storage.keys import page_keys
 
 PAGE = 4
@@ -689,17 +690,40 @@ def test_removed_storage_directory(make_cache, gen):
     assert_no_leak(cache)
 
 
-@pytest.mark.parametrize("where", ["payload", "header"])
-@pytest.mark.parametrize("page", [0, 2])
-def test_corrupted_page_is_a_miss(make_cache, gen, where, page):
-    cache, model, p = stored_then_cleared(make_cache, gen, storage_batch_pages=32)
-    store = cache.storage.inner
-    keys = page_keys(cache.manager.namespace, p[:48], PAGE)
+def _corrupt(store, key: bytes, where: str) -> None:
+    """Flip a byte in the middle of ``key``'s stored payload or header, in either layout."""
+    if isinstance(store, SlabStorage):
+        files = store._files
+        entry = files.read(lambda txn: files.books.lookup(txn, key))
+        if where == "payload":
+            with open(files.slab.path, "r+b") as f:
+                f.seek(entry.slot * files.slab.slot_bytes + store.page_nbytes // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x5A]))
+            return
+        raw = bytearray(entry.raw)
+        raw[value_format.HEADER_BYTES // 2] ^= 0x5A
+        with store._lock, files.env.begin(write=True) as txn:
+            txn.put(key, bytes(raw), db=files.books.headers)
+        return
     db = store._pages if where == "payload" else store._headers
     with store._lock, store._env.begin(write=True) as txn:
-        raw = bytearray(txn.get(keys[page], db=db))
+        raw = bytearray(txn.get(key, db=db))
         raw[len(raw) // 2] ^= 0x5A
-        txn.put(keys[page], bytes(raw), db=db)
+        txn.put(key, bytes(raw), db=db)
+
+
+@pytest.mark.parametrize("layout", ["lmdb", "slab"])
+@pytest.mark.parametrize("where", ["payload", "header"])
+@pytest.mark.parametrize("page", [0, 2])
+def test_corrupted_page_is_a_miss(make_cache, gen, layout, where, page):
+    cache, model, p = stored_then_cleared(
+        make_cache, gen, storage_batch_pages=32, storage_layout=layout
+    )
+    store = cache.storage.inner
+    keys = page_keys(cache.manager.namespace, p[:48], PAGE)
+    _corrupt(store, keys[page], where)
     h = model.serve(p).hits  # model.serve checks every served byte
     assert h.storage == page * PAGE
     assert h.missed == 49 - page * PAGE
@@ -916,6 +940,39 @@ def test_prepare_forward_points_layer_waits_at_an_earlier_request(make_cache, ge
         cache.finish(r)
     with pytest.raises(StateError):
         cache.prepare_forward(ra)
+    cache.drain()
+    assert_no_leak(cache)
+
+
+def test_prepare_forward_after_its_load_finished_waits_on_no_other(make_cache, gen, monkeypatch):
+    """A request whose load has finished must not wait on the layer slot it had at ``begin``:
+    later loads reuse that slot, and a failed one there made this request's valid prefix fail
+    its forward (found by the fault campaign). Its waits follow the newest load still in
+    flight into its path, or none."""
+    cache = make_cache(device_tokens=256, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    prompts = make_prompts(gen, [25, 29, 23, 27])
+    for p in prompts:
+        model.serve(p)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)
+    first = model.begin(prompts[0])
+    cache.drain()  # its load is done; its slot is free for the next loads
+    later = [model.begin(p) for p in prompts[1:3]]
+    cache.drain()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    failed = cache.begin(prompts[3])
+    assert failed.load_slot == first.load_slot  # three slots: the fourth load reuses the first's
+    cache.drain()
+    cache.prepare_forward(first)
+    model.check(first)  # exact, and no error from the failed load in its old slot
+    for r in (first, *later):
+        cache.finish(r)
+    cache.abort(failed)
     cache.drain()
     assert_no_leak(cache)
 

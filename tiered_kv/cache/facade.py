@@ -151,6 +151,9 @@ class TieredKVCache:
                 "prefix slots do not hold its KV) and begin it again"
             )
         if self.device_host is not None:
+            # The newest load still in flight into req's path (None when all have landed): the
+            # slot begin saw may have been reused by a later load since, failed or not.
+            req.load_slot = self.manager.load_slot(req.node)
             self.device_host.layer_done_counter.set_consumer(req.load_slot)
 
     def _prefetch_wait(self, tokens: int) -> float | None:
