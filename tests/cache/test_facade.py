@@ -1061,9 +1061,10 @@ def test_drain_names_what_is_still_in_flight(make_cache, gen, monkeypatch):
     assert_no_leak(cache)
 
 
+@pytest.mark.parametrize("storage", [True, False])  # without storage they were accepted
 @pytest.mark.parametrize("bad", [[-1], [1 << 32], [5, 7, -3, 9], [2**40]])
-def test_token_ids_outside_uint32_are_refused_with_nothing_taken(make_cache, gen, bad):
-    cache = make_cache()
+def test_token_ids_outside_uint32_are_refused_with_nothing_taken(make_cache, gen, bad, storage):
+    cache = make_cache() if storage else make_cache(storage_bytes=0, storage_path=None)
     model = Model(cache, gen)
     (a,) = make_prompts(gen, [13])
     before = cache.free_sizes()
