@@ -48,6 +48,7 @@ import torch
 
 from tiered_kv import kernels, platform
 from tiered_kv.bench import machine, report
+from tiered_kv.bench.fixed_cost import PAGE_COUNTS, measure_fixed_cost
 from tiered_kv.bench.machine import NOISY_IQR, NOISY_SPREAD
 from tiered_kv.bench.transfer import (
     DIRECTIONS,
@@ -146,6 +147,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write {rows, config, machine} as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument(
+        "--fixed-cost",
+        action="store_true",
+        help="instead: the fixed cost per op of each direction (CPU; first page size)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -274,8 +280,25 @@ def settings(args: argparse.Namespace) -> Settings:
     )  # fmt: skip
 
 
+def print_fixed_cost(args: argparse.Namespace) -> None:
+    """One op per direction at 1 .. 256 pages; the intercept of the least-squares line."""
+    print(f"load average before {machine.load_average()}")
+    costs = measure_fixed_cost(geometry(args), args.page_sizes[0], args.repeats, args.seed)
+    print(
+        f"{'direction':16} {'fixed us':>9} {'GB/s':>6}  median us at "
+        f"{', '.join(map(str, PAGE_COUNTS))} pages"
+    )
+    for c in costs:
+        ms = " ".join(f"{s * 1e6:.0f}" for _, s in c.points)
+        print(f"{c.direction:16} {c.fixed_us:9.1f} {c.gbps:6.2f}  {ms}")
+    print(f"load average after {machine.load_average()}; every op ok, bytes verified")
+
+
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
+    if args.fixed_cost:
+        print_fixed_cost(args)
+        return []
     device = platform.resolve_device(args.device)
     watch = machine.LoadWatch()
     info = machine.machine_info(device)
