@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]  # fmt: skip
     print()
-    print(print("\n".join(report.fixed_table(COLUMNS, cells))))
+    print("\n".join(report.fixed_table(COLUMNS, cells)))
     print(
         "\n(medians; layer0*L/full = 1.0 means layer 0 was usable after exactly 1/L of the "
         "full copy's time; every repeat's bytes were verified)"

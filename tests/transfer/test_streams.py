@@ -162,3 +162,34 @@ def test_make_copy_stream_on_cpu_is_a_thread_stream():
         assert out == [5]
     finally:
         s.close()
+
+
+def test_submit_layers_sets_each_layer_event_as_that_layer_finishes(stream):
+    release = threading.Event()
+    ran: list[int] = []
+
+    def job(layer: int) -> None:
+        ran.append(layer)
+        if layer == 1:
+            release.wait(5)
+        if layer == 2:
+            raise ValueError("layer 2 broke")
+
+    events = stream.submit_layers(job, 4)
+    events[0].synchronize()  # layer 0 is usable while layer 1 is still copying
+    assert not events[1].query() and not events[3].query()
+    release.set()
+    events[1].synchronize()
+    with pytest.raises(ValueError, match="layer 2 broke"):
+        events[2].synchronize()
+    events[3].synchronize()  # a failed layer fails only its own event
+    assert ran == [0, 1, 2, 3]
+
+
+def test_submit_layers_after_a_failed_event_fails_every_layer(stream):
+    before = ThreadEvent()
+    before.set(RuntimeError("compute failed"))
+    events = stream.submit_layers(lambda _layer: None, 3, before)
+    for e in events:
+        with pytest.raises(RuntimeError, match="compute failed"):
+            e.synchronize()

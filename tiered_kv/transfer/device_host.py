@@ -124,17 +124,18 @@ class DeviceHostTransfer(TransferWorker):
                 _done_or_failed(e)
         slot = counter.update_producer()
         pool, host, io = self.device_pool, self.host_pool, self.io_backend.value
-        events = []
-        for local, layer_id in enumerate(self.layer_ids):
+        layer_ids = self.layer_ids
 
-            def run(layer_id: int = layer_id) -> None:
-                host.load_to_device_per_layer(
-                    pool, job.host_indices, job.device_indices, layer_id, io
-                )
+        def run(local: int) -> None:
+            host.load_to_device_per_layer(
+                pool, job.host_indices, job.device_indices, layer_ids[local], io
+            )
 
-            event = self.load_stream.submit(run)
+        # One job for every layer on the persistent copier (one handoff, not one per layer);
+        # each layer still gets its own event, recorded before the consumer is pointed here.
+        events = self.load_stream.submit_layers(run, len(layer_ids))
+        for local, event in enumerate(events):
             counter.record(slot, local, event)
-            events.append(event)
         copy = _Copy(job, events, len(job.host_indices) * self._token_bytes, slot)
         self._loads.append(copy)
         self._slot_job[slot] = copy

@@ -115,6 +115,16 @@ class CopyStream(ABC):
     def submit(self, job: Callable[[], object], after: CopyEvent | None = None) -> CopyEvent:
         """Run ``job`` after ``after`` (and after every job submitted before it)."""
 
+    def submit_layers(
+        self, job: Callable[[int], object], num_layers: int, after: CopyEvent | None = None
+    ) -> list[CopyEvent]:
+        """Run ``job(0)`` .. ``job(num_layers - 1)`` in order after ``after``; one event per
+        layer, each done when its layer is (a layer that raised fails its event only)."""
+        events = [
+            self.submit(lambda i=i: job(i), after if i == 0 else None) for i in range(num_layers)
+        ]
+        return events
+
     @abstractmethod
     def record_compute(self) -> CopyEvent:
         """An event marking the compute work issued so far (what a device -> host copy of
@@ -152,6 +162,9 @@ class ThreadCopyStream(CopyStream):
             if item is None:
                 return
             job, after, event = item
+            if isinstance(event, list):
+                self._run_layers(job, after, event)
+                continue
             error: BaseException | None = None
             start = time.perf_counter()
             try:
@@ -162,6 +175,36 @@ class ThreadCopyStream(CopyStream):
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 error = exc
             event.set(error, time.perf_counter() - start)
+
+    @staticmethod
+    def _run_layers(job: Callable[[int], object], after: CopyEvent | None, events: list) -> None:
+        # One queue item for every layer: no thread handoff between layers, and each layer's
+        # event is set the moment that layer is copied (readers of layer 0 need not wait).
+        first: BaseException | None = None
+        if after is not None:
+            try:
+                after.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - every layer depends on it
+                first = exc
+        for i, event in enumerate(events):
+            error = first
+            start = time.perf_counter()
+            if error is None:
+                try:
+                    job(i)
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                    error = exc
+            event.set(error, time.perf_counter() - start)
+
+    def submit_layers(
+        self, job: Callable[[int], object], num_layers: int, after: CopyEvent | None = None
+    ) -> list[CopyEvent]:
+        events = [ThreadEvent() for _ in range(num_layers)]
+        with self._lock:
+            if self._closed:
+                raise StateError(f"copy stream {self.name!r} is closed")
+            self._jobs.put((job, after, events))
+        return list(events)
 
     def submit(self, job: Callable[[], object], after: CopyEvent | None = None) -> CopyEvent:
         event = ThreadEvent()
