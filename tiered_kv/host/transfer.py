@@ -30,7 +30,14 @@ def check_io_backend(io_backend: str) -> str:
     return io_backend
 
 
+# Up to this many indices a Python set finds repeats faster than ``torch.unique`` (~12 us
+# fixed per call, paid twice per transfer op).
+_SET_UNIQUE_MAX = 512
+
+
 def _check_unique(name: str, idx: torch.Tensor) -> None:
+    if idx.numel() <= _SET_UNIQUE_MAX and len(set(idx.tolist())) == idx.numel():
+        return
     uniq, counts = torch.unique(idx, return_counts=True)
     if uniq.numel() != idx.numel():
         repeated = uniq[counts > 1][:8].tolist()

@@ -95,6 +95,7 @@ class HostTransfers:
         )
         self._kernels = transfer_kernels(decl.device, kernel_backend)
         self._prepared: _Prepared | None = None
+        self._dev_buffers: DeviceBuffers | None = None
 
     @property
     def kernel_backend(self) -> KernelBackend:
@@ -181,10 +182,14 @@ class HostTransfers:
         buffer = self._buffer.live()
         decl = self.decl
         if prepared.dev_buffers is None:
-            every = range(decl.layer_num)
-            prepared.dev_buffers = tuple(
-                tuple(part.buffer(i) for i in every) for part in decl.parts
-            )
+            # The device pool's buffers never change: one tuple for every transfer, so the
+            # native launcher's per-buffer addresses are computed once, not per op.
+            if self._dev_buffers is None:
+                every = range(decl.layer_num)
+                self._dev_buffers = tuple(
+                    tuple(part.buffer(i) for i in every) for part in decl.parts
+                )
+            prepared.dev_buffers = self._dev_buffers
         if io == IOBackend.DIRECT:
             chosen = list(range(decl.layer_num)) if layers is None else layers
             if prepared.runs is None:
