@@ -8,7 +8,12 @@ Parts (``--only``; default every part):
   inputs are drawn and checked, the pool size and the one excluded cell:
   ``tiered_kv/bench/vs_sglang.py``.
 
-A new part (the storage tier against SGLang's ``HiCacheFile``) is one more entry in ``PARTS``.
+- ``stores``: our disk store in both layouts (``slab``, ``lmdb``) against SGLang's file backend
+  ``HiCacheFile`` on the same pages (``--store-sizes`` MiB, ``--store-mib`` per size): ``set``
+  and warm ``get`` over ``HiCacheFile``'s GB/s (above 1.0 ours is faster), cold ``get`` (after
+  dropping the page cache: root) over the fastest raw read of the same bytes (buffered whole
+  pages, 256 KiB reads, ``O_DIRECT``); alternating rounds, medians, the load average per size:
+  ``tiered_kv/bench/vs_sglang_stores.py``. Targets: set and warm get >= 1.0x, cold get >= 0.8x.
 
 SGLang runs where it is importable, e.g. with the recipe in ``../shared/peer/``::
 
@@ -24,7 +29,9 @@ A mismatch between the two allocators' slots exits with the ``CORRECTNESS FAILUR
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -32,7 +39,7 @@ from dataclasses import asdict
 import torch
 
 from tiered_kv import platform
-from tiered_kv.bench import machine, report, sglang_peer
+from tiered_kv.bench import disk, machine, report, sglang_peer
 from tiered_kv.bench.allocator import Lengths
 from tiered_kv.bench.timing import median
 from tiered_kv.bench.verify import exit_on_failure
@@ -43,9 +50,23 @@ from tiered_kv.bench.vs_sglang import (
     measure_cell,
     pool_tokens,
 )
+from tiered_kv.bench.vs_sglang_stores import TARGETS, StoreRow, grade, measure_stores
 
 EXIT_NO_SGLANG = 3
-QUICK = {"repeats": 3, "batch_sizes": [1, 64], "page_sizes": [1, 16]}
+QUICK = {
+    "repeats": 3, "batch_sizes": [1, 64], "page_sizes": [1, 16],
+    "store_sizes": [0.25], "store_mib": 4, "store_repeats": 1,
+}  # fmt: skip
+
+
+def _size_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(round(v * 2**20) < 4096 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated sizes in MiB")
+    return values
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,6 +103,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch intra-op threads for both (default 1: the calls take microseconds, and on a "
         "shared machine a second thread that is not scheduled stalls a call for milliseconds)",
     )
+    p.add_argument("--store-sizes", type=_size_list, default=[0.5, 2.0, 8.0], help="MiB")
+    p.add_argument("--store-mib", type=float, default=256, help="stores: MiB of pages per size")
+    p.add_argument("--store-batch", type=int, default=8, help="stores: pages per call")
+    p.add_argument("--store-repeats", type=int, default=5, help="stores: alternating rounds")
+    p.add_argument("--store-dir", default=None, help="stores: parent of the work dir (TMPDIR)")
+    p.add_argument("--no-drop-cache", action="store_true", help="stores: no cold gets")
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -92,6 +119,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--pool-tokens must be >= 0")
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.store_batch < 1 or args.store_repeats < 1 or args.store_mib <= 0:
+        p.error("--store-batch and --store-repeats must be >= 1, --store-mib > 0")
     return args
 
 
@@ -136,8 +165,63 @@ def allocators(args: argparse.Namespace, peer: sglang_peer.SGLangPeer | None) ->
     return rows
 
 
+# -- stores ----------------------------------------------------------------------------------
+STORE_COLUMNS = [
+    C("size_mib", 8, "g"), C("store", 7, left=True), C("op", 19, left=True), C("pages", 5),
+    C("GB/s", 6, ".2f"), C("ratio", 5, ".2f"), C("over", 23, left=True), C("n", 2),
+    C("load_1m", 7, ".2f"),
+]  # fmt: skip
+
+
+def stores(args: argparse.Namespace, peer: sglang_peer.SGLangPeer | None) -> list[StoreRow]:
+    hicache = peer is not None and peer.storage is not None
+    workdir = tempfile.mkdtemp(prefix="bench_vs_sglang-", dir=args.store_dir)
+    cold = not args.no_drop_cache and disk.drop_page_cache()
+    print("\n".join(disk.disk_lines(workdir, cold)))
+    print(
+        f"stores: sizes {', '.join(f'{v:g}' for v in args.store_sizes)} MiB, "
+        f"{args.store_mib:g} MiB per size, batch {args.store_batch}, {args.store_repeats} "
+        f"alternating rounds, seed {args.seed}"
+        + ("" if hicache else "; HiCacheFile not importable: ours and the raw reads only")
+        + ("" if cold else f"; {disk.NO_COLD}")
+        + (" (--no-drop-cache)" if args.no_drop_cache else ""),
+        flush=True,
+    )
+    try:
+        rows = measure_stores(
+            args.store_sizes, args.store_mib, workdir=workdir, batch=args.store_batch,
+            repeats=args.store_repeats, seed=args.seed, cold=cold, hicache=hicache,
+            progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    cells = [
+        [r.size_mib, r.store, r.op, r.pages, r.gbps, r.ratio, r.baseline, r.repeats,
+         r.load[0] if r.load else None]
+        for r in rows
+    ]  # fmt: skip
+    print("\n".join(report.fixed_table(STORE_COLUMNS, cells)))
+    print(
+        "targets: set and warm_get >= "
+        f"{TARGETS['set']}x HiCacheFile, cold_get >= {TARGETS['cold_get']}x the best raw read"
+    )
+    verdicts = grade(rows)
+    for g in verdicts:
+        print(
+            f"  size {g['size_mib']:>4g} MiB  {g['store']:<4} {g['op']:<8} ratio "
+            f"{g['ratio']:5.2f} (need >= {g['need']})  {g['result']}"
+        )
+    for store in ("slab", "lmdb"):
+        mine = [g for g in verdicts if g["store"] == store]
+        if mine:
+            met = sum(g["result"] == "PASS" for g in mine)
+            print(f"  {store}: {met} of {len(mine)} targets PASS")
+    return rows
+
+
 PARTS: dict[str, Callable[[argparse.Namespace, sglang_peer.SGLangPeer | None], list]] = {
     "allocators": allocators,
+    "stores": stores,
 }
 
 

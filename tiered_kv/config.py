@@ -26,6 +26,7 @@ from tiered_kv.names import (
     IOBackend,
     ModelKind,
     PrefetchPolicy,
+    StorageLayout,
     WritePolicy,
 )
 
@@ -138,6 +139,7 @@ class StorageConfig:
     model_id: str | None = None  # the model's name + weights fingerprint or revision (storage)
     rank: str | None = None  # the parallel rank, where ranks hold different bytes
     storage_batch_pages: int = 32
+    storage_layout: str = "slab"  # StorageLayout: where page bytes live on disk
     io_threads: int | None = None  # None: the store's default
     durable: bool = False
     hugepages: bool = False
@@ -158,6 +160,7 @@ class StorageConfig:
             "storage_path",
             "None or a directory path (str or os.PathLike)",
         )
+        _choice(self, "storage_layout", StorageLayout.values())
         s = self.namespace_salt
         _need(s is None or isinstance(s, str), self, "namespace_salt", "None or a str")
         for n in ("model_id", "rank"):

@@ -70,6 +70,13 @@ class IOBackend(Name):
     DIRECT = "direct"  # one copy_ per run of consecutive slots
 
 
+class StorageLayout(Name):
+    """How the storage tier lays out pages on disk (``docs/storage_tier.md``)."""
+
+    LMDB = "lmdb"  # page bytes inside LMDB's memory-mapped data file
+    SLAB = "slab"  # LMDB holds the index; page bytes in a preallocated file per namespace
+
+
 class ModelKind(Name):
     MHA = "mha"
     MLA = "mla"

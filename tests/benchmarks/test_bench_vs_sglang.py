@@ -1,5 +1,5 @@
-"""Smoke test: the side-by-side benchmark's allocator part runs quickly against our allocators
-alone (SGLang is not installed here) and says so; with --require-sglang it exits 3."""
+"""Smoke test: the side-by-side benchmark's allocator and store parts run quickly against ours
+alone (SGLang is not installed here) and say so; with --require-sglang it exits 3."""
 
 from __future__ import annotations
 
@@ -35,6 +35,21 @@ def test_quick_run_without_sglang_times_ours_and_says_so(tmp_path, capsys, monke
     assert "ours_us" in printed and "load average" in printed
     data = json.loads(out.read_text())
     assert len(data["allocators"]) == len(rows) and data["machine"]["sglang"] is None
+
+
+def test_quick_store_part_without_sglang_times_both_layouts(tmp_path, capsys):
+    bench = load_bench()
+    out = tmp_path / "vs.json"
+    argv = ["--quick", "--only", "stores", "--no-drop-cache", "--store-dir", str(tmp_path)]
+    rows = bench.main([*argv, "--json", str(out)])["stores"]
+    assert {(r.store, r.op) for r in rows} == {
+        (s, op) for s in ("slab", "lmdb") for op in ("set", "warm_get")
+    }
+    assert all(r.gbps > 0 and r.ratio is None and r.load is not None for r in rows)
+    printed = capsys.readouterr().out
+    assert "HiCacheFile not importable" in printed and "(--no-drop-cache)" in printed
+    assert len(json.loads(out.read_text())["stores"]) == len(rows)
+    assert list(tmp_path.iterdir()) == [out]  # the work dir is removed
 
 
 def test_require_sglang_exits_3(capsys):

@@ -86,6 +86,8 @@ P = 8
         (dict(model_id=""), "model_id"),
         (dict(rank=3), "rank"),
         (dict(namespace_salt=7), "namespace_salt"),
+        (dict(storage_layout="files"), "storage_layout"),
+        (dict(storage_layout=None), "storage_layout"),
         # bools and other non-ints where ints are needed
         (dict(num_layers=True), "num_layers"),
         (dict(head_num=True), "head_num"),

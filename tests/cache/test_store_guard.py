@@ -37,10 +37,10 @@ def test_a_store_that_keeps_failing_is_turned_off_and_serving_goes_on(make_cache
     def open_corrupted():
         inner = real_open()
 
-        def corrupted(fn):
+        def corrupted(*args):
             raise lmdb.CorruptedError("injected: a corrupted map")
 
-        inner._read = corrupted
+        inner._read = inner._write = corrupted  # reads and writes: either layout fails all
         opened.append(inner)
         return inner
 

@@ -58,6 +58,7 @@ RUN_ERRORS = [
     (["--write-policy", "never"], ["--write-policy", "'never'", "write_through"]),
     (["--prefetch-policy", "eager"], ["--prefetch-policy", "'eager'", "best_effort"]),
     (["--host-layout", "rows"], ["--host-layout", "'rows'", "page_first"]),
+    (["--storage-layout", "files"], ["--storage-layout", "'files'", "lmdb", "slab"]),
 ]
 
 SIM_ERRORS = [

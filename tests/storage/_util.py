@@ -13,8 +13,10 @@ from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.host import host_pool_for
 from tiered_kv.storage import LMDBStorage, StorageNamespace
+from tiered_kv.storage.slab_store import SlabStorage
 
 P = 4  # tokens per page of the small host pools
+LAYOUTS = ("lmdb", "slab")  # the disk tier's two layouts (storage_layout)
 HEADS, HEAD_DIM, LAYERS = 2, 8, 3
 
 
@@ -106,3 +108,9 @@ def min_lmdb_budget(tmp_path, ns: StorageNamespace, page_nbytes: int) -> int:
         assert m, str(exc)
         return int(m.group(1))
     raise AssertionError("budget_bytes=1 was accepted")
+
+
+def open_layout(layout: str, path, ns: StorageNamespace, page_nbytes: int, **options):
+    """A disk store of ``layout`` ("lmdb" or "slab") with the same options."""
+    cls = SlabStorage if layout == "slab" else LMDBStorage
+    return cls(path, ns, page_nbytes, **options)

@@ -1,4 +1,5 @@
-"""The storage contract, run against both implementations (MemoryStorage and LMDBStorage)."""
+"""The storage contract, run against every implementation (MemoryStorage, and LMDBStorage and
+SlabStorage, the two layouts of the disk tier)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import LMDBStorage, MemoryStorage, StorageNamespace, page_keys, value_format
 from tiered_kv.storage.keys import KEY_BYTES
+from tiered_kv.storage.slab_store import SlabStorage
 
 from ._util import (
     ByteSource,
@@ -21,7 +23,7 @@ from ._util import (
     raw_key,
 )
 
-IMPLS = ["memory", "lmdb", "lmdb-1-thread"]
+IMPLS = ["memory", "lmdb", "lmdb-1-thread", "slab", "slab-1-thread"]
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -52,8 +54,8 @@ def make_store(request, tmp_path):
         if request.param == "memory":
             store = MemoryStorage(ns, page_nbytes, budget_bytes=budget_bytes)
         else:
-            threads = 1 if request.param == "lmdb-1-thread" else 3
-            store = LMDBStorage(
+            threads = 1 if request.param.endswith("-1-thread") else 3
+            store = (SlabStorage if request.param.startswith("slab") else LMDBStorage)(
                 path or tmp_path / "store",
                 ns,
                 page_nbytes,

@@ -12,6 +12,7 @@ from tiered_kv.storage.io_threads import (
     check_io_threads,
     default_io_threads,
     ordered_map,
+    shared_map,
     split_map,
 )
 
@@ -111,6 +112,51 @@ def test_split_map_raises_only_after_every_run_has_finished(failing):
     # the caller's run stops at a failure in it; the other run always completes first
     other_run = range(4, 8) if failing < 4 else range(0, 4)
     assert set(other_run) - {failing} <= set(finished)
+    snapshot = list(finished)
+    time.sleep(0.05)
+    assert finished == snapshot  # nothing was still running in the background
+
+
+# -- shared_map: every thread takes the next item from one counter -------------------------------
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 13])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_shared_map_returns_every_result_in_order(n, threads):
+    def slow_inverse(i):
+        time.sleep(0.001 * (n - i))
+        return i * i + 1
+
+    assert shared_map(slow_inverse, list(range(n)), threads) == [i * i + 1 for i in range(n)]
+
+
+def test_shared_map_leaves_a_stalled_thread_fewer_items():
+    """A pool thread that stalls on its first item (a core the OS gives to someone else) does
+    not hold back the rest: the caller takes them all."""
+    caller = threading.get_ident()
+    stalled = threading.Event()
+
+    def who(i):
+        if threading.get_ident() != caller and not stalled.is_set():
+            stalled.set()
+            time.sleep(0.2)
+        return threading.get_ident()
+
+    idents = shared_map(who, list(range(8)), 2)
+    assert idents.count(caller) >= 6
+    assert len(idents) == 8
+
+
+def test_shared_map_raises_only_after_every_thread_has_stopped():
+    finished = []
+
+    def work(i):
+        if i == 2:
+            raise OSError("item 2 failed")
+        time.sleep(0.01)
+        finished.append(i)
+        return i
+
+    with pytest.raises(OSError, match="item 2 failed"):
+        shared_map(work, list(range(8)), 2)
     snapshot = list(finished)
     time.sleep(0.05)
     assert finished == snapshot  # nothing was still running in the background

@@ -1,5 +1,7 @@
 """LMDBStorage specifics: restart, corruption, budget, open errors, several processes, SIGKILL,
-fork."""
+fork. The tests that need only the contract (restart, open errors, two namespaces, fork, a
+removed directory, page sources) run on both layouts of the disk tier (``layout``); the slab
+layout's own tests are in ``test_slab_store``."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tiered_kv.errors import InvalidArgumentError, TieredKVError
 from tiered_kv.storage import LMDBStorage, StorageNamespace, StorageOpenError, page_keys
 
 from ._util import (
+    LAYOUTS,
     ByteSource,
     P,
     byte_namespace,
@@ -26,10 +29,16 @@ from ._util import (
     fill_for_keys,
     make_host,
     min_lmdb_budget,
+    open_layout,
     raw_key,
 )
 
 BUDGET = 64 << 20
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request) -> str:
+    return request.param
 
 
 @pytest.fixture
@@ -47,13 +56,13 @@ def _keys(ns, n, seed=0):
     return page_keys(ns, toks.tolist(), P)
 
 
-def test_restart_serves_everything(tmp_path, host, ns):
+def test_restart_serves_everything(tmp_path, host, ns, layout):
     keys = _keys(ns, 8)
-    store = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    store = open_layout(layout, tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
     assert store.batch_set(keys, host, list(range(8))) == [True] * 8
     before = host.buffer.clone()
     store.close()
-    again = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    again = open_layout(layout, tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
     try:
         assert again.batch_exists(keys) == 8
         assert again.stats().pages == 8
@@ -163,22 +172,22 @@ def test_budget_checks(tmp_path, ns, host):
     LMDBStorage(tmp_path / "ok", ns, host.page_nbytes, budget_bytes=minimum).close()
 
 
-def test_bad_io_threads_is_refused_before_opening(tmp_path, ns, host):
+def test_bad_io_threads_is_refused_before_opening(tmp_path, ns, host, layout):
     with pytest.raises(InvalidArgumentError, match="io_threads=0"):
-        LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET, io_threads=0)
+        open_layout(layout, tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET, io_threads=0)
     assert not (tmp_path / "s").exists()
 
 
-def test_path_that_is_a_file_raises_open_error(tmp_path, ns, host):
+def test_path_that_is_a_file_raises_open_error(tmp_path, ns, host, layout):
     f = tmp_path / "plain-file"
     f.write_bytes(b"not a directory")
     for path in (f, f / "below"):
         with pytest.raises(StorageOpenError, match=str(f)) as info:
-            LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+            open_layout(layout, path, ns, host.page_nbytes, budget_bytes=BUDGET)
         assert isinstance(info.value, TieredKVError)
 
 
-def test_read_only_directory_raises_open_error(tmp_path, ns, host):
+def test_read_only_directory_raises_open_error(tmp_path, ns, host, layout):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
@@ -187,17 +196,17 @@ def test_read_only_directory_raises_open_error(tmp_path, ns, host):
             pytest.skip("running as root: a 0o500 directory is still writable")
         for path in (ro / "store", ro):
             with pytest.raises(StorageOpenError, match=str(ro)):
-                LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+                open_layout(layout, path, ns, host.page_nbytes, budget_bytes=BUDGET)
     finally:
         ro.chmod(0o700)
 
 
-def test_two_namespaces_open_at_once_in_one_process(tmp_path, host, ns):
+def test_two_namespaces_open_at_once_in_one_process(tmp_path, host, ns, layout):
     """Stores of two namespaces share one directory (eviction and clear are per namespace)."""
     other_ns = StorageNamespace.for_host_pool(host, tenant="other", model="test-model")
-    a = LMDBStorage(tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
+    a = open_layout(layout, tmp_path / "s", ns, host.page_nbytes, budget_bytes=BUDGET)
     try:
-        b = LMDBStorage(tmp_path / "s", other_ns, host.page_nbytes, budget_bytes=BUDGET)
+        b = open_layout(layout, tmp_path / "s", other_ns, host.page_nbytes, budget_bytes=BUDGET)
     except StorageOpenError as exc:
         a.close()
         pytest.fail(f"a second namespace on the same directory cannot be opened: {exc}")
@@ -337,7 +346,7 @@ def test_sigkill_during_writes_loses_no_integrity(tmp_path, gen):
 
 
 # -- fork -------------------------------------------------------------------------------------
-def _fork_child(store: LMDBStorage, nbytes: int) -> None:
+def _fork_child(store, nbytes: int) -> None:
     ns = store.namespace
     keys = [raw_key(ns, f"child-{i}") for i in range(6)]
     src = ByteSource(nbytes, 6)
@@ -350,10 +359,10 @@ def _fork_child(store: LMDBStorage, nbytes: int) -> None:
     store.close()
 
 
-def test_store_used_after_fork_reopens(tmp_path):
+def test_store_used_after_fork_reopens(tmp_path, layout):
     nbytes = 4096
     ns = byte_namespace(nbytes)
-    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
+    store = open_layout(layout, tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
     try:
         pk = [raw_key(ns, f"parent-{i}") for i in range(3)]
         src = ByteSource(nbytes, 3)
@@ -414,12 +423,14 @@ def test_reads_after_another_process_grew_the_map(tmp_path):
         store.close()
 
 
-def test_removed_directory_is_counted_misses_and_a_new_store_starts_clean(tmp_path, host, ns):
+def test_removed_directory_is_counted_misses_and_a_new_store_starts_clean(
+    tmp_path, host, ns, layout
+):
     import shutil
 
     keys = _keys(ns, 3)
     path = tmp_path / "s"
-    store = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+    store = open_layout(layout, path, ns, host.page_nbytes, budget_bytes=BUDGET)
     try:
         assert store.batch_set(keys, host, [0, 1, 2]) == [True] * 3
         shutil.rmtree(path)
@@ -430,7 +441,7 @@ def test_removed_directory_is_counted_misses_and_a_new_store_starts_clean(tmp_pa
         errors = store.stats().errors
         assert errors.get("store directory removed or replaced", 0) == 3
         # A store opened on the recreated path gets its own, empty environment.
-        fresh = LMDBStorage(path, ns, host.page_nbytes, budget_bytes=BUDGET)
+        fresh = open_layout(layout, path, ns, host.page_nbytes, budget_bytes=BUDGET)
         try:
             assert fresh.batch_exists(keys) == 0
             assert fresh.batch_set(keys[:2], host, [0, 1]) == [True, True]
@@ -463,10 +474,10 @@ class BadRowSource(ViewSource):
 
 @pytest.mark.parametrize("source_type", [ByteSource, ViewSource, RowSource])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_every_kind_of_page_source_round_trips_exactly(tmp_path, source_type, threads):
+def test_every_kind_of_page_source_round_trips_exactly(tmp_path, source_type, threads, layout):
     nbytes = 3 * 4096 + 40
     ns = byte_namespace(nbytes)
-    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET, io_threads=threads)
+    store = open_layout(layout, tmp_path / "s", ns, nbytes, budget_bytes=BUDGET, io_threads=threads)
     try:
         keys = [raw_key(ns, f"k{i}") for i in range(11)]
         src = source_type(nbytes, 13)
@@ -485,10 +496,10 @@ def test_every_kind_of_page_source_round_trips_exactly(tmp_path, source_type, th
         store.close()
 
 
-def test_a_row_table_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path):
+def test_a_row_table_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path, layout):
     nbytes = 4096 + 8
     ns = byte_namespace(nbytes)
-    store = LMDBStorage(tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
+    store = open_layout(layout, tmp_path / "s", ns, nbytes, budget_bytes=BUDGET)
     try:
         keys = [raw_key(ns, f"k{i}") for i in range(3)]
         good = RowSource(nbytes, 3)

@@ -3,7 +3,7 @@
 ``find_sglang`` imports SGLang's allocator module if this process can (the recipe in
 ``../shared/peer/`` installs SGLang 0.5.23's KV-memory code on a CPU-only machine) and says why
 not otherwise; nothing here imports SGLang at module level, so ``import tiered_kv`` never needs
-it. Each peer part a benchmark uses (the allocators now; a storage backend later) is one field of
+it. Each peer part a benchmark uses (the allocators, the file storage backend) is one field of
 ``SGLangPeer`` and one adapter here, so the measuring modules never touch SGLang's modules.
 
 The adapters call SGLang exactly as its scheduler does (``mem_cache/allocation.py``): at page
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SGLANG_ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
+SGLANG_STORAGE_MODULE = "sglang.srt.mem_cache.hicache_storage"
 INSTALL_HINT = (
     "install it with ../shared/peer/setup.sh and run with "
     "PYTHONPATH=/tmp/peer/stubs:<this checkout> /tmp/peer/venv/bin/python"
@@ -35,6 +38,7 @@ class SGLangPeer:
     version: str
     token_allocator: type
     paged_allocator: type
+    storage: Any = None  # mem_cache/hicache_storage.py (HiCacheFile), None where it fails to import
 
 
 def find_sglang() -> SGLangPeer | str:
@@ -47,7 +51,11 @@ def find_sglang() -> SGLangPeer | str:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    return SGLangPeer(version, mod.TokenToKVPoolAllocator, mod.PagedTokenToKVPoolAllocator)
+    try:
+        storage = importlib.import_module(SGLANG_STORAGE_MODULE)
+    except Exception:  # noqa: BLE001 - the allocators still run without it
+        storage = None
+    return SGLangPeer(version, mod.TokenToKVPoolAllocator, mod.PagedTokenToKVPoolAllocator, storage)
 
 
 class SGLangAllocator:
@@ -85,3 +93,41 @@ class SGLangAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         self.impl.free(slots)
+
+
+class SGLangFileStore:
+    """SGLang's ``HiCacheFile`` in ``path`` (one rank of one model; its evictor off, as by
+    default) behind the calls the storage benchmark makes of a store. ``HiCacheFile`` keeps one
+    file per page named by the key: ``set`` skips a key whose file exists, writes the tensor into
+    a temporary file (``numpy.tofile``) and renames it into place (no fsync, no checksum); ``get``
+    opens the file and ``readinto``-s the target. Both get the host page itself (a uint8 view):
+    the cheapest use of it (SGLang's own v2 read path reads into a scratch page and copies that
+    into the host pool)."""
+
+    def __init__(self, peer: SGLangPeer, path: str) -> None:
+        mod = peer.storage
+        if mod is None:
+            raise ImportError(f"{SGLANG_STORAGE_MODULE} did not import in this process")
+        os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)  # would override path
+        config = mod.HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+            model_name="bench", extra_config={"file_storage_path": path},
+        )  # fmt: skip
+        self.impl = mod.HiCacheFile(config, file_path=path)
+
+    def batch_set(self, keys: Sequence[bytes], source, pages: Sequence[int]) -> list[bool]:
+        # HiCacheFile.batch_set is this loop, stopping at the first failure with one bool
+        return [
+            self.impl.set(k.hex(), source.get_page_bytes(p))
+            for k, p in zip(keys, pages, strict=True)
+        ]
+
+    def batch_get(self, keys: Sequence[bytes], source, pages: Sequence[int]) -> list[bool]:
+        return [
+            self.impl.get(k.hex(), source.get_page_bytes(p)) is not None
+            for k, p in zip(keys, pages, strict=True)
+        ]
+
+    def close(self) -> None:  # HiCacheFile holds no file open between calls
+        return None

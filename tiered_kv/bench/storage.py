@@ -1,14 +1,16 @@
 """One store, one repeat: the timed phases of the storage benchmark.
 
 For a ``Case`` (pages of one size, their keys, a source and a destination ``PageSource``),
-``kv_store_times`` times, in a fresh store (``lmdb``: ``LMDBStorage``; ``files``:
-``page_stores.FileStore``), ``set`` (every page once, into an empty store), ``warm_get`` (right
-after an untimed ``sync``: the bytes are in the page cache) and, with ``cold``, ``cold_get``
-(after closing the store, dropping the page cache and reopening it: the kernel does not drop
-pages a process still maps). ``full_set_times`` times ``full_set``: the same pages into a store
-already full of as many other pages, each write evicting an old one (the steady state of a
-cache). The clock runs around the whole loop over batches, with the garbage collector off;
-every get is checked outside the timing (each call returned True, the bytes equal the source's).
+``kv_store_times`` times, in a fresh store (``open_kv``: ``lmdb`` ``LMDBStorage``, ``slab``
+``SlabStorage``, ``files`` ``page_stores.FileStore``, ``hicache`` SGLang's ``HiCacheFile`` where
+importable), ``set`` (every page once, into an empty store), ``warm_get`` (right after an untimed
+``sync``: the bytes are in the page cache) and, with ``cold``, ``cold_get`` (after closing the
+store, dropping the page cache, reopening it and dropping it again: the kernel does not drop
+pages a process still maps, and opening may read). ``full_set_times`` times ``full_set``: the
+same pages into a store already full of as many other pages, each write evicting an old one
+(the steady state of a cache). The clock runs around the whole loop over batches, with the
+garbage collector off; every get is checked outside the timing (each call returned True, the
+bytes equal the source's).
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ from tiered_kv.bench.verify import fail
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import LMDBStorage, StorageNamespace, page_keys
 from tiered_kv.storage.lmdb_env import record_cost
+from tiered_kv.storage.slab_books import ENTRY_COST
+from tiered_kv.storage.slab_file import slot_bytes_for
+from tiered_kv.storage.slab_store import BASE_COST, SlabStorage
 
 MIB = 1 << 20
 ALIGN = 4096
 LMDB_DEFAULTS = {"durable": False, "readahead": True, "writemap": True, "hugepages": False}
+SLAB_OPTIONS = ("durable", "hugepages", "io_threads")  # the options both layouts take
 
 # (seconds, page cache MiB right before the op or None) per op
 Times = dict[str, tuple[float, float | None]]
@@ -129,6 +135,29 @@ def _timed_into(ok: list[bool], fn: Callable[[], list[bool]]) -> float:
     return timed(lambda: ok.extend(fn()), collect=True)
 
 
+def open_kv(kind: str, path: str, case: Case, budget: int, opts: dict, fsync: bool):
+    """A store of ``kind`` in ``path`` for the case's pages (``opts``: LMDBStorage's options;
+    ``slab`` takes those it shares with it)."""
+    if kind == "lmdb":
+        return LMDBStorage(path, case.namespace, case.page_nbytes, budget_bytes=budget, **opts)
+    if kind == "slab":
+        shared = {k: v for k, v in opts.items() if k in SLAB_OPTIONS}
+        return SlabStorage(path, case.namespace, case.page_nbytes, budget_bytes=budget, **shared)
+    if kind == "hicache":
+        from tiered_kv.bench import sglang_peer  # SGLang: found on demand
+
+        peer = sglang_peer.find_sglang()
+        if isinstance(peer, str):
+            raise InvalidArgumentError(f"store kind 'hicache': {peer}")
+        return sglang_peer.SGLangFileStore(peer, path)
+    return FileStore(path, fsync)
+
+
+def close_kv(store) -> None:
+    if hasattr(store, "close"):
+        store.close()
+
+
 def kv_store_times(
     case: Case,
     kind: str,
@@ -139,16 +168,14 @@ def kv_store_times(
     cold: bool,
     drop: Callable[[], bool] = drop_page_cache,
 ) -> Times:
-    """``set``, ``warm_get`` (and with ``cold``, ``cold_get``) of one fresh ``lmdb`` or
-    ``files`` store in a temporary directory under ``workdir`` (removed after). ``drop`` drops
+    """``set``, ``warm_get`` (and with ``cold``, ``cold_get``) of one fresh store of ``kind``
+    (``open_kv``) in a temporary directory under ``workdir`` (removed after). ``drop`` drops
     the page cache before the cold get."""
     path = tempfile.mkdtemp(prefix=f"{kind}-", dir=workdir)
     budget = max(2 * case.n * (case.page_nbytes + ALIGN), 4 * (case.page_nbytes + ALIGN) + 32 * MIB)
 
     def open_store():
-        if kind == "lmdb":
-            return LMDBStorage(path, case.namespace, case.page_nbytes, budget_bytes=budget, **opts)
-        return FileStore(path, fsync)
+        return open_kv(kind, path, case, budget, opts, fsync)
 
     where = f"size={case.size_mib:g} MiB store={kind} {opts or ''} batch={batch}"
     out: Times = {}
@@ -167,19 +194,22 @@ def kv_store_times(
         out["warm_get"] = (_timed_into(ok, lambda: _gets(store, case, batch)), None)
         check_get(case, ok, where + " warm_get")
         if cold:
-            if kind == "lmdb":
-                store.close()  # a mapped page survives drop_caches: close, drop, reopen
+            close_kv(store)  # a mapped page survives drop_caches: close, drop, reopen
+            if not drop():
+                fail(where, "dropping the page cache worked before and failed now")
+            store = open_store()
+            # and drop again: opening an LMDB environment checks its trees, which reads the
+            # first page of every stored value and, through the map's read-around, most of
+            # the values themselves (cold gets ran faster than a raw read of the same file)
             if not drop():
                 fail(where, "dropping the page cache worked before and failed now")
             before = cached_mib()
-            store = open_store()
             case.dst_rows().fill(0)
             ok = []
             out["cold_get"] = (_timed_into(ok, lambda: _gets(store, case, batch)), before)
             check_get(case, ok, where + " cold_get")
     finally:
-        if kind == "lmdb":
-            store.close()
+        close_kv(store)
         shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -195,10 +225,12 @@ def full_set_times(
     # LMDBStorage evicts down to 3/4 of its budget; it also has a minimum budget
     budget = max(-(-case.n * cost * 4 // 3) + 4 * MIB, 4 * cost + 8 * MIB)
     capacity = budget * 3 // 4 // cost
+    if kind == "slab":  # the same capacity: slabs fill the whole budget but its fixed part
+        budget = BASE_COST + capacity * (slot_bytes_for(case.page_nbytes) + ENTRY_COST)
     old_keys = page_keys(case.namespace, np.arange(capacity, dtype=np.uint32), 1)
     where = f"size={case.size_mib:g} MiB store={kind} {opts or ''} batch={batch} full_set"
-    if kind == "lmdb":
-        store = LMDBStorage(path, case.namespace, case.page_nbytes, budget_bytes=budget, **opts)
+    if kind in ("lmdb", "slab"):
+        store = open_kv(kind, path, case, budget, opts, fsync)
     else:
         store = EvictingFileStore(path, fsync, capacity)
     try:
@@ -217,7 +249,6 @@ def full_set_times(
         case.dst_rows().fill(0)
         check_get(case, _gets(store, case, batch), where)
     finally:
-        if kind == "lmdb":
-            store.close()
+        close_kv(store)
         shutil.rmtree(path, ignore_errors=True)
     return {"full_set": (seconds, None)}

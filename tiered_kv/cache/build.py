@@ -1,9 +1,10 @@
 """build_cache_parts: every component a :class:`TieredKVCache` runs on, built from its config.
 
 The device pool (MHA or MLA) and its paged allocator, the request rows, the host pool from the
-device pool's declaration (with the host section's own options), the LMDB store under its
-namespace (with the storage section's own options), one transfer-stats object shared by both
-transfer workers, the tree and the manager. A failure part way closes what was built.
+device pool's declaration (with the host section's own options), the store under its namespace
+in the configured ``storage_layout`` (with the storage section's own options), one
+transfer-stats object shared by both transfer workers, the tree and the manager. A failure part
+way closes what was built.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.names import ModelKind
-from tiered_kv.storage import LMDBStorage, StorageNamespace
+from tiered_kv.storage import StorageNamespace
 from tiered_kv.storage.guarded_store import GuardedStorage
+from tiered_kv.storage.layouts import open_store
 from tiered_kv.transfer.device_host import DeviceHostTransfer
 from tiered_kv.transfer.host_storage import HostStorageTransfer
 from tiered_kv.tree.tiered_tree import TieredTree
@@ -38,7 +40,7 @@ class CacheParts(NamedTuple):
     allocator: PagedTokenToKVPoolAllocator
     req_to_token: ReqToTokenPool
     host_pool: HostKVCache | None
-    storage: GuardedStorage | None  # the LMDB store, reopened or turned off when it keeps failing
+    storage: GuardedStorage | None  # the disk store, reopened or turned off when it keeps failing
     device_host: DeviceHostTransfer | None
     host_storage: HostStorageTransfer | None
     manager: CacheManager
@@ -124,7 +126,8 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
                 )
                 storage = GuardedStorage(
                     functools.partial(
-                        LMDBStorage,
+                        open_store,
+                        s.storage_layout,
                         c.storage_dir,
                         namespace,
                         host_pool.page_nbytes,

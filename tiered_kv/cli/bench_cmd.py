@@ -4,8 +4,8 @@ device <-> host: for each host layout, io backend and page size, the GB/s of a b
 host, all layers), a layer-wise load (host -> device, one call per layer) and an all-layer load,
 against a contiguous copy of the same bytes measured in the same run (ratio = GB/s / baseline).
 With CUDA, pinned and pageable host memory are both measured. host <-> storage: batch_set and
-batch_get of host pages through LMDBStorage in a temporary directory. Medians over --repeats;
-every transfer's bytes are checked once.
+batch_get of host pages through the disk store (--storage-layout) in a temporary directory.
+Medians over --repeats; every transfer's bytes are checked once.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from tiered_kv.bench.transfer_check import verify_transfer
 from tiered_kv.bench.verify import fill_random
 from tiered_kv.cli.args import name_list, positive_int
 from tiered_kv.cli.report import table, write_json
+from tiered_kv.config import StorageConfig
+from tiered_kv.names import StorageLayout
 
 HELP = "host-memory benchmarks: device <-> host per layout / io backend / page size, host <-> disk"
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -53,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--no-storage", action="store_true", help="skip host <-> storage")
+    p.add_argument(
+        "--storage-layout",
+        default=StorageConfig.storage_layout,
+        choices=StorageLayout.values(),
+        help="the disk store's layout for host <-> storage",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -111,7 +119,7 @@ def _device_host(args, layout, io, page, pin, device) -> tuple[dict, list[str]]:
 
 
 def _host_storage(args) -> dict:
-    """LMDB set and warm get of host pages (``tiered_kv.bench.storage``), medians."""
+    """Set and warm get of host pages in the disk store (``tiered_kv.bench.storage``), medians."""
     dtype = getattr(torch, args.dtype)
     page = args.page_sizes[-1]
     cpu = torch.device("cpu")
@@ -126,10 +134,11 @@ def _host_storage(args) -> dict:
     try:
         case = host_case(host, n, seed=page)
         with tempfile.TemporaryDirectory() as d:
+            kind = args.storage_layout
             got = interleave(
-                {"lmdb": lambda _: kv_store_times(case, "lmdb", d, n, {}, False, False)},
+                {kind: lambda _: kv_store_times(case, kind, d, n, {}, False, False)},
                 args.repeats,
-            )["lmdb"]
+            )[kind]
     finally:
         host.destroy()
     nbytes = n * page_nbytes
@@ -195,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
         print(
             table(
                 [
-                    "host <-> storage (LMDB)",
+                    f"host <-> storage ({args.storage_layout})",
                     "pages",
                     "page MiB",
                     "MiB",

@@ -23,11 +23,17 @@ from tqdm import tqdm
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
-from tiered_kv.config import TieredKVConfig
+from tiered_kv.config import StorageConfig, TieredKVConfig
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
-from tiered_kv.names import EvictionPolicyName, ModelKind, PrefetchPolicy, WritePolicy
+from tiered_kv.names import (
+    EvictionPolicyName,
+    ModelKind,
+    PrefetchPolicy,
+    StorageLayout,
+    WritePolicy,
+)
 
 HELP = "serve a multi-turn long-context workload with offload and verify the restored KV"
 REL_TOLERANCE = 1e-6
@@ -63,7 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--store",
         default=str(default_cache_dir() / "run-store"),
-        help="LMDB store directory (kept between runs)",
+        help="store directory (kept between runs)",
+    )
+    c.add_argument(
+        "--storage-layout",
+        default=StorageConfig.storage_layout,
+        choices=StorageLayout.values(),
+        help="lmdb: page bytes inside LMDB's map; slab: LMDB holds the index, page bytes in a "
+        "preallocated file per namespace (a store directory holds one layout)",
     )
     c.add_argument("--fresh", action="store_true", help="empty the store first")
     c.add_argument(
@@ -171,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
         host_tokens=args.host_tokens,
         storage_bytes=args.storage_mib << 20,
         storage_path=store,
+        storage_layout=args.storage_layout,
         host_layout=args.host_layout,
         device_policy=args.device_policy,
         host_policy=args.host_policy,

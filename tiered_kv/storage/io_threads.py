@@ -2,12 +2,15 @@
 
 xxhash and numpy release the GIL on large buffers, so page checksums and map-to-host copies
 scale with cores. ``ordered_map`` yields results in input order while later items are still
-being computed, which lets a write transaction insert page i while page i+1 is hashed. After a
+being computed, which lets a write transaction insert page i while page i+1 is hashed;
+``split_map`` cuts a batch into one run per thread; ``shared_map`` lets the threads take the next
+item as they finish one, so a thread the OS does not run (a busy core) holds back nothing. After a
 ``fork`` the child gets a fresh pool (the parent's threads do not exist there).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -78,4 +81,33 @@ def split_map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]
         wait(futures)
     for future in futures:
         out.extend(future.result())
+    return out
+
+
+def shared_map(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
+    """``[fn(x) for x in items]`` on the calling thread and up to ``threads - 1`` pool threads,
+    each taking the next item from one shared counter as it finishes the last (no hand-off per
+    item): on a machine whose other cores are busy, the caller does the items a pool thread has
+    not started, instead of waiting for a fixed run. Returns (or raises) only after every
+    thread has stopped, as ``split_map`` does."""
+    n = len(items)
+    workers = max(1, min(threads, n))
+    if workers == 1:
+        return [fn(x) for x in items]
+    out: list = [None] * n
+    claim = itertools.count().__next__  # atomic under the GIL: each index goes to one thread
+
+    def work() -> None:
+        i = claim()
+        while i < n:
+            out[i] = fn(items[i])
+            i = claim()
+
+    futures = [_pool(workers - 1).submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        wait(futures)
+    for future in futures:
+        future.result()
     return out

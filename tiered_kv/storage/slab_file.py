@@ -1,0 +1,140 @@
+"""The file of slots behind :class:`SlabStorage`: one preallocated file per namespace, slot ``i``
+at byte ``i * slot_bytes``, page bytes moved with ``pwritev`` / ``preadv`` straight from and into
+host page memory.
+
+``slot_bytes`` is the page size rounded up to 4 KiB, so a slot starts on a file-system block and
+a write covers whole blocks (the tail is padded with zeros: the kernel never reads a block to
+merge a partial write into it). Blocks are allocated with ``fallocate`` before a slot is first
+written: a full disk is a failed allocation (an errno), never a lost write or a signal. Freed
+slots give their blocks back with ``FALLOC_FL_PUNCH_HOLE`` when another namespace needs the room.
+
+Writes and reads go in cache-sized chunks, each hashed (xxh3-64) right after it is written from
+or read into the host page, while it is still in cache. Nothing here knows which slot is in
+use: that is ``slab_books``' job, inside LMDB's transaction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tiered_kv.storage import map_file
+
+BLOCK = 4096
+CHUNK = 256 << 10  # write/read-then-hash chunk: small enough to still be in cache when hashed
+_ZEROS = bytes(BLOCK)
+_PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def slot_bytes_for(page_nbytes: int) -> int:
+    """Bytes one slot takes in the file: the page rounded up to whole 4 KiB blocks."""
+    return -(-page_nbytes // BLOCK) * BLOCK
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+    if map_file._libc.fallocate(fd, mode, offset, length) != 0:
+        return ctypes.get_errno() or errno.EIO
+    return 0
+
+
+class SlabFile:
+    """One namespace's file of slots. ``path`` is created if missing; every method that
+    touches the disk returns an errno (0 on success) or raises ``OSError`` from the system
+    call, never a signal (nothing here is memory-mapped)."""
+
+    def __init__(self, path: Path, page_nbytes: int, create: bool = True) -> None:
+        self.path = path
+        self.page_nbytes = page_nbytes
+        self.slot_bytes = slot_bytes_for(page_nbytes)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        self.fd = os.open(path, flags, 0o644)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # -- blocks -------------------------------------------------------------------------------
+    def allocate(self, first: int, count: int) -> int:
+        """Allocate disk blocks for slots ``first .. first+count-1`` (growing the file if they
+        lie past its end). 0, or the errno: ENOSPC / EDQUOT when the disk has no room. Where the
+        file system cannot allocate ahead (one of ``map_file.UNSUPPORTED``), the file is only
+        extended and 0 returned: a full disk then shows up as a write error instead."""
+        off, length = first * self.slot_bytes, count * self.slot_bytes
+        err = _fallocate(self.fd, 0, off, length)
+        if err in map_file.UNSUPPORTED:
+            try:
+                if os.fstat(self.fd).st_size < off + length:
+                    os.ftruncate(self.fd, off + length)
+            except OSError as exc:
+                return exc.errno or errno.EIO
+            return 0
+        return err
+
+    def release(self, first: int, count: int = 1) -> int:
+        """Give back the disk blocks of slots ``first .. first+count-1`` (a hole; the file keeps
+        its size). 0, or the errno (EOPNOTSUPP where the file system cannot punch holes)."""
+        mode = _PUNCH_HOLE | _KEEP_SIZE
+        return _fallocate(self.fd, mode, first * self.slot_bytes, count * self.slot_bytes)
+
+    def trim(self, slots: int) -> None:
+        """Cut the file to ``slots`` slots if it is longer (blocks a writer allocated and never
+        committed: it crashed or its transaction aborted)."""
+        if os.fstat(self.fd).st_size > slots * self.slot_bytes:
+            os.ftruncate(self.fd, slots * self.slot_bytes)
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def disk_bytes(self) -> int:
+        """Bytes of disk blocks the file holds (what ``du`` counts)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    # -- bytes --------------------------------------------------------------------------------
+    def write(self, slot: int, page: memoryview) -> int:
+        """Write ``page`` (exactly ``page_nbytes``) into ``slot``, zero-padded to the slot's
+        end; returns its xxh3-64 checksum, each chunk hashed right after it was written.
+        Raises ``OSError`` on a write error (a short write is retried, as the kernel may)."""
+        base = slot * self.slot_bytes
+        n = self.page_nbytes
+        pad = self.slot_bytes - n
+        hasher = xxhash.xxh3_64()
+        for start in range(0, n, CHUNK):
+            part = page[start : start + CHUNK]
+            last = start + CHUNK >= n
+            iov = [part, _ZEROS[:pad]] if last and pad else [part]
+            want = len(part) + (pad if last else 0)
+            done = os.pwritev(self.fd, iov, base + start)
+            if done != want:
+                self._finish_write(iov, done, base + start)
+            hasher.update(part)
+        return hasher.intdigest()
+
+    def _finish_write(self, iov: list, done: int, offset: int) -> None:
+        rest = b"".join(bytes(v) for v in iov)[done:]
+        while rest:
+            got = os.pwrite(self.fd, rest, offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            done += got
+            rest = rest[got:]
+
+    def read_into(self, slot: int, dst: np.ndarray, checksum: int) -> bool:
+        """Read ``slot`` into ``dst`` (a writable uint8 array of ``page_nbytes``), each chunk
+        hashed right after it landed; whether the bytes match ``checksum``. A short read (a slot
+        past the file's end) is False. ``dst`` may hold partial bytes after False."""
+        base = slot * self.slot_bytes
+        view = memoryview(dst)
+        n = self.page_nbytes
+        hasher = xxhash.xxh3_64()
+        for start in range(0, n, CHUNK):
+            part = view[start : start + CHUNK]
+            if os.preadv(self.fd, [part], base + start) != len(part):
+                return False
+            hasher.update(part)
+        return hasher.intdigest() == checksum
