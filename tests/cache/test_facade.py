@@ -20,6 +20,7 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.storage import SlabStorage, value_format
 from tiered_kv.storage.keys import page_keys
 
 PAGE = 4
@@ -690,7 +691,22 @@ def test_removed_storage_directory(make_cache, gen):
 
 
 def _corrupt(store, key: bytes, where: str) -> None:
-    """Flip a byte in the middle of ``key``'s stored payload or header."""
+    """Flip a byte in the middle of ``key``'s stored payload or header, in either layout."""
+    if isinstance(store, SlabStorage):
+        files = store._files
+        entry = files.read(lambda txn: files.books.lookup(txn, key))
+        if where == "payload":
+            with open(files.slab.path, "r+b") as f:
+                f.seek(entry.slot * files.slab.slot_bytes + store.page_nbytes // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x5A]))
+            return
+        raw = bytearray(entry.raw)
+        raw[value_format.HEADER_BYTES // 2] ^= 0x5A
+        with store._lock, files.env.begin(write=True) as txn:
+            txn.put(key, bytes(raw), db=files.books.headers)
+        return
     db = store._pages if where == "payload" else store._headers
     with store._lock, store._env.begin(write=True) as txn:
         raw = bytearray(txn.get(key, db=db))
@@ -698,10 +714,13 @@ def _corrupt(store, key: bytes, where: str) -> None:
         txn.put(key, bytes(raw), db=db)
 
 
+@pytest.mark.parametrize("layout", ["lmdb", "slab"])
 @pytest.mark.parametrize("where", ["payload", "header"])
 @pytest.mark.parametrize("page", [0, 2])
-def test_corrupted_page_is_a_miss(make_cache, gen, where, page):
-    cache, model, p = stored_then_cleared(make_cache, gen, storage_batch_pages=32)
+def test_corrupted_page_is_a_miss(make_cache, gen, layout, where, page):
+    cache, model, p = stored_then_cleared(
+        make_cache, gen, storage_batch_pages=32, storage_layout=layout
+    )
     store = cache.storage.inner
     keys = page_keys(cache.manager.namespace, p[:48], PAGE)
     _corrupt(store, keys[page], where)
