@@ -126,3 +126,18 @@ def test_flipped_bytes_in_the_map_never_serve_wrong_bytes(tmp_path, gen, mode, f
     )
     assert proc.returncode == 0, f"seed {seed}: rc {proc.returncode}\n{proc.stderr[-2000:]}"
     assert "Error" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_flipped_bit_in_the_byte_count_does_not_skip_writes_for_ever(filled):
+    """The bytes-in-use counter is a plain value in the ``meta`` database: one flipped bit made
+    it larger than the budget, so eviction emptied the store and every later write was skipped
+    (clear did not help). With nothing left to evict the count is known to be 0."""
+    store, src, keys = filled
+    with store._env.begin(write=True) as txn:
+        used = int.from_bytes(bytes(txn.get(b"used", db=store._books.meta)), "little")
+        txn.put(b"used", (used | 1 << 40).to_bytes(8, "little"), db=store._books.meta)
+    more = page_keys(NS, list(range(1000, 1000 + 12 * 4)), 4)
+    assert all(store.batch_set(more, src, list(range(12))))  # the old pages were evicted
+    assert store.stats().bytes < 1 << 30
+    assert all(store.batch_set(keys, src, list(range(12))))
+    assert store.batch_exists(more + keys) == 24

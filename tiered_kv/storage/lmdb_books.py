@@ -41,9 +41,15 @@ class Books:
 
     @classmethod
     def open(cls, env: lmdb.Environment, page_nbytes: int) -> Books:
-        """The store's four named databases in ``env`` (created on first open)."""
-        dbs = (env.open_db(name) for name in (b"pages", b"headers", b"lru", b"meta"))
-        return cls(*dbs, page_nbytes)
+        """The store's four named databases in ``env`` (created on first open). A map another
+        process grew since ``env`` was opened is adopted (its blocks are reserved there)."""
+        for _ in range(8):
+            try:
+                dbs = [env.open_db(name) for name in (b"pages", b"headers", b"lru", b"meta")]
+                return cls(*dbs, page_nbytes)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+        raise lmdb.MapResizedError("the map kept growing while the store's databases were opened")
 
     def used(self, txn: lmdb.Transaction) -> int:
         return _u64(txn.get(_USED, db=self.meta))
@@ -138,6 +144,10 @@ class Books:
         evicted = 0
         while used + need > limit:
             if not cursor.first():
+                if used:  # nothing left, so nothing is stored: a count that says otherwise (a
+                    # flipped bit) would skip every write for ever
+                    used = self.add_used(txn, -used)
+                    continue
                 return False, evicted
             key = bytes(cursor.key())[8:]
             cursor.delete()

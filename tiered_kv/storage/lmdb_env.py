@@ -11,6 +11,10 @@ Every map size an environment takes has its disk blocks reserved first (``map_fi
 so writes through the map never fault on a full disk; where blocks cannot be reserved at open
 (no ``fallocate``, or no room), the environment is opened without ``writemap`` and LMDB's own
 writes report a full disk as an error instead. Each new mapping gets huge-page advice.
+
+A new environment is trusted only after ``lmdb_check`` found its data file sound (its meta page
+before ``lmdb.open``, every tree after): LMDB 0.9 crashes the process on a corrupted structure,
+so a corrupt file is a typed ``StorageOpenError`` instead.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import lmdb
 
 from tiered_kv.errors import StorageOpenError
-from tiered_kv.storage import map_file, value_format
+from tiered_kv.storage import lmdb_check, map_file, value_format
 from tiered_kv.storage.keys import KEY_BYTES
 
 _NODE = 16  # LMDB's per-entry node header, rounded up
@@ -117,6 +121,14 @@ def acquire(path: Path, data_file: Path, options: dict) -> SharedEnv:
                 env.close()  # no blocks for the map: let LMDB write (and fail) with pwrite
                 writemap = False
                 env = _open(path, options, writemap)
+            try:
+                problem = lmdb_check.check_snapshot(env, data_file)
+            except (OSError, lmdb.Error) as exc:
+                env.close()
+                raise StorageOpenError(f"cannot check LMDB store at {path}: {exc}") from exc
+            if problem:
+                env.close()
+                raise _corrupt(path, problem)
             shared = SharedEnv(
                 env, key, inode(data_file), data_file, options["hugepages"], writemap
             )
@@ -140,6 +152,9 @@ def _open(path: Path, options: dict, writemap: bool) -> lmdb.Environment:
             f"({errno.errorcode.get(err, err)}); free space on that file system or use another "
             "storage_path"
         )
+    problem = lmdb_check.check_file(path / "data.mdb")
+    if problem:
+        raise _corrupt(path, problem)
     try:
         return lmdb.open(
             str(path),
@@ -155,6 +170,14 @@ def _open(path: Path, options: dict, writemap: bool) -> lmdb.Environment:
         )
     except lmdb.Error as exc:
         raise StorageOpenError(f"cannot open LMDB store at {path}: {exc}") from exc
+
+
+def _corrupt(path: Path, problem: str) -> StorageOpenError:
+    # Checked before LMDB may follow the file's pointers: LMDB 0.9 would crash on them.
+    return StorageOpenError(
+        f"cannot open LMDB store at {path}: its data file is corrupt ({problem}); move the "
+        "directory away (or delete it) and a store there starts empty"
+    )
 
 
 def release(shared: SharedEnv) -> None:
