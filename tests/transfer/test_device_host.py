@@ -339,6 +339,7 @@ def test_writes_are_acknowledged_in_order_and_failures_reported(gen):
         # A copy that raises on the copy thread (a host slot out of range) is a failed result.
         bad_host = pairs[1][1].clone()
         bad_host[0] = host.size + 3
+        ctl.wait([1])  # job 1's copy must not land between the two snapshots
         snap = host_snapshot(host)
         with pytest.raises(InvalidArgumentError):  # what the copy thread hits
             host.backup_from_device_all_layer(pool, bad_host, pairs[1][0])
