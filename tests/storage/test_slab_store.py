@@ -17,8 +17,9 @@ import torch
 from tiered_kv.errors import StorageOpenError
 from tiered_kv.storage import LMDBStorage, value_format
 from tiered_kv.storage.layouts import layout_of, open_store
-from tiered_kv.storage.slab_books import VALUE_BYTES
-from tiered_kv.storage.slab_file import BLOCK
+from tiered_kv.storage.slab_books import VALUE_BYTES, Entry
+from tiered_kv.storage.slab_file import BLOCK, SlabFile
+from tiered_kv.storage.slab_reads import PARALLEL_READ_BYTES, read_plan
 from tiered_kv.storage.slab_store import SlabStorage, min_budget
 
 from ._util import ByteSource, byte_namespace, expected_bytes, fill_for_keys, raw_key
@@ -294,3 +295,29 @@ def test_a_directory_keeps_its_layout(tmp_path):
         store.close()
     with pytest.raises(StorageOpenError, match="slots of 4096 bytes"):
         SlabStorage(tmp_path / "s", ns, 4097 + 4096, budget_bytes=BUDGET)
+
+
+@pytest.mark.parametrize("nbytes", [3 * 4096 + 40, (1 << 20) + 40])
+def test_a_batch_from_the_disk_is_read_on_one_thread_in_file_order(tmp_path, nbytes):
+    slab = SlabFile(tmp_path / "x.slab", nbytes)
+    in_order = [0, 1, 4, 5]
+    try:
+        assert slab.allocate(0, 6) == 0
+        for i in range(6):
+            slab.write(i, memoryview(np.full(nbytes, i + 1, dtype=np.uint8)))
+        jobs = [(i, Entry(b"", None, slot)) for i, slot in enumerate([4, 1, 5, 0])]
+        got, threads = read_plan(slab, jobs, 2)
+        if nbytes < PARALLEL_READ_BYTES:  # small pages: one thread, in the page cache or not
+            assert threads == 1 and [e.slot for _, e in got] == in_order
+        else:
+            assert (got, threads) == (jobs, 2)  # in the page cache: as given, two threads
+        os.fsync(slab.fd)
+        os.posix_fadvise(slab.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if slab.cached(0):
+            pytest.skip("no cachestat here, or the pages were not dropped")
+        got, threads = read_plan(slab, jobs, 2)
+        assert threads == 1 and [e.slot for _, e in got] == in_order
+        got, threads = read_plan(slab, jobs, 1)
+        assert threads == 1 and [e.slot for _, e in got] == in_order
+    finally:
+        slab.close()

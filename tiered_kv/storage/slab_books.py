@@ -166,7 +166,7 @@ class SlabBooks:
         txn.delete(_lru_key(entry.header.tick, key), db=self.lru)
         txn.put(_lru_key(tick, key), b"", db=self.lru)
         header = value_format.with_tick(entry.raw[: value_format.HEADER_BYTES], tick)
-        txn.put(key, pack_value(key, header, entry.slot), db=self.headers)
+        txn.put(key, header + entry.raw[value_format.HEADER_BYTES :], db=self.headers)
         return True
 
     def refresh(self, txn: lmdb.Transaction, keys) -> None:

@@ -26,9 +26,35 @@ import xxhash
 from tiered_kv.storage import map_file
 
 BLOCK = 4096
-CHUNK = 256 << 10  # write/read-then-hash chunk: small enough to still be in cache when hashed
+CHUNK = 512 << 10  # write/read-then-hash chunk: in L2 (1 MiB here) when hashed; 256 KiB read 0.85x
 _ZEROS = bytes(BLOCK)
 _PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
+
+
+_CACHESTAT = 451  # the syscall's number on every architecture (Linux 6.5)
+_has_cachestat = [True]
+
+
+def _cached_blocks(fd: int, offset: int, length: int) -> int | None:
+    """Pages of ``[offset, offset + length)`` in the page cache, or None where ``cachestat``
+    is missing (then never asked again)."""
+    if not _has_cachestat[0]:
+        return None
+    span, stat = _Range(offset, length), _CacheStat()
+    call = map_file._libc.syscall
+    if call(_CACHESTAT, ctypes.c_int(fd), ctypes.byref(span), ctypes.byref(stat), ctypes.c_uint(0)):
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            _has_cachestat[0] = False
+        return None
+    return stat.cache
 
 
 def slot_bytes_for(page_nbytes: int) -> int:
@@ -123,6 +149,24 @@ class SlabFile:
                 raise OSError(errno.EIO, f"short write to {self.path}")
             done += got
             rest = rest[got:]
+
+    def cached(self, slot: int) -> bool:
+        """Whether every block of ``slot`` is in the page cache and read (``cachestat``, Linux
+        6.5+, which reads nothing; then a ``RWF_NOWAIT`` read of its last block, which fails on
+        a block still being read in by readahead); True where the kernel cannot tell."""
+        want = -(-self.page_nbytes // BLOCK)
+        got = _cached_blocks(self.fd, slot * self.slot_bytes, want * BLOCK)
+        if got is None:
+            return True
+        if got < want:
+            return False
+        try:
+            last = slot * self.slot_bytes + (want - 1) * BLOCK
+            return os.preadv(self.fd, [bytearray(BLOCK)], last, os.RWF_NOWAIT) > 0
+        except BlockingIOError:
+            return False
+        except (OSError, AttributeError):
+            return True
 
     def read_into(self, slot: int, dst: np.ndarray, checksum: int) -> bool:
         """Read ``slot`` into ``dst`` (a writable uint8 array of ``page_nbytes``), each chunk

@@ -1,6 +1,8 @@
 """The read path of a slab store: one mapped slot into one host page, verified, and what a failed
 verification may delete.
 
+``read_plan`` puts a batch of large pages in the page cache on the I/O threads, any other batch
+on one thread in file order (the kernel's readahead then sees one sequential reader).
 ``deliver`` checks the index record (an intact header of this namespace and page size, an
 intact slot record), then reads the slot straight into the host page where the page is a
 writable view (``preadv`` in chunks, each hashed as it lands), or into a scratch buffer that
@@ -54,6 +56,29 @@ def deliver(
     if ok and not zero_copy:
         source.set_page_bytes(page, memoryview(dst))
     return ok, None
+
+
+PARALLEL_READ_BYTES = 1 << 20  # smaller pages read faster on one thread (0.5 MiB: 5.7 vs 4.6 GB/s)
+
+
+def read_plan(
+    slab: SlabFile, jobs: list[tuple[int, Entry]], threads: int
+) -> tuple[list[tuple[int, Entry]], int]:
+    """The order and thread count of a batch's reads (``(index, entry)`` jobs): pages of at
+    least ``PARALLEL_READ_BYTES`` whose slots are in the page cache as given, on ``threads``
+    (they copy and hash faster on two: 8.5 vs 7.4 GB/s at 2 MiB); any other batch on one thread
+    in file order (two threads reading slots of one file look like random reads to the kernel's
+    readahead: cold gets of 8 MiB pages ran at 0.55-0.74x of one thread)."""
+    if not jobs:
+        return jobs, threads
+    slots = sorted((-1 if e.slot is None else e.slot, n) for n, (_, e) in enumerate(jobs))
+    if threads <= 1 or slab.page_nbytes < PARALLEL_READ_BYTES:
+        return [jobs[n] for _, n in slots], 1
+    # the first and the last slot in file order: readahead from the batch before may have
+    # brought in the first one, never the last one of a batch that comes from the disk
+    if all(slot < 0 or slab.cached(slot) for slot, _ in (slots[0], slots[-1])):
+        return jobs, threads
+    return [jobs[n] for _, n in slots], 1
 
 
 def drop_if_unchanged(

@@ -36,7 +36,7 @@ from tiered_kv.storage.slab_alloc import SlabAllocator
 from tiered_kv.storage.slab_books import ENTRY_COST
 from tiered_kv.storage.slab_env import Pending, SlabEnv, count_os_error
 from tiered_kv.storage.slab_file import slot_bytes_for
-from tiered_kv.storage.slab_reads import deliver, drop_if_unchanged
+from tiered_kv.storage.slab_reads import deliver, drop_if_unchanged, read_plan
 
 INDEX_BASE = 256 << 10  # the index's fixed part: meta and root pages, LMDB's own free list
 BASE_COST = map_file.LOCK_BYTES + INDEX_BASE
@@ -151,10 +151,11 @@ class SlabStorage(PageStorage):
             entries = self._read(lambda txn: [self._books.lookup(txn, k) for k in keys])
             slab = self._files.slab
             jobs = [(i, e) for i, e in enumerate(entries) if e is not None]
+            jobs, threads = read_plan(slab, jobs, self._io_threads if zero_copy else 1)
             results = shared_map(
                 lambda job: deliver(slab, fp, job[1], source, pages[job[0]], rows, zero_copy),
                 jobs,
-                self._io_threads if zero_copy else 1,
+                threads,
             )
             found = dict(zip((job[0] for job in jobs), results, strict=True))
             out, bad = [], []
