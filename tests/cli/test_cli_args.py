@@ -242,3 +242,19 @@ def test_console_script_entry_point(tmp_path):
     )
     assert done.returncode == 2
     assert "--trace" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_run_on_a_store_of_the_other_layout_exits_with_one_line(tmp_path, capsys):
+    from tiered_kv.storage import LMDBStorage
+    from tiered_kv.storage.keys import StorageNamespace
+
+    ns = StorageNamespace.create(
+        model="m", kind="bytes", parts=[("raw", [4096])], dtype="uint8", layer_ids=[0],
+        page_size=1, layout="page_first",
+    )  # fmt: skip
+    store = tmp_path / "store"
+    LMDBStorage(store, ns, 4096, budget_bytes=64 << 20).close()
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--store", str(store), "--storage-layout", "slab", "--no-progress"])
+    text = str(info.value.code)
+    assert "holds a store of the lmdb layout" in text and "--storage-layout" in text

@@ -27,6 +27,7 @@ from tiered_kv.config import StorageConfig, TieredKVConfig
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
+from tiered_kv.errors import StorageOpenError
 from tiered_kv.names import (
     EvictionPolicyName,
     ModelKind,
@@ -203,7 +204,12 @@ def main(args: argparse.Namespace) -> int:
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
     model = TinyMLA(mc) if args.attention == ModelKind.MLA else TinyLlama(mc)
-    cache = TieredKVCache(cfg)
+    try:
+        cache = TieredKVCache(cfg)
+    except StorageOpenError as exc:  # a store of the other layout, a full disk, ...: one line
+        raise SystemExit(
+            f"tiered-kv run: {exc} (--storage-layout chooses the layout, --fresh empties --store)"
+        ) from exc
     records = []
     t0 = time.perf_counter()
     try:
