@@ -48,7 +48,7 @@ import torch
 
 from tiered_kv import kernels, platform
 from tiered_kv.bench import machine, report
-from tiered_kv.bench.fixed_cost import PAGE_COUNTS, measure_fixed_cost
+from tiered_kv.bench.fixed_cost import PAGE_COUNTS, idle_penalty, measure_fixed_cost
 from tiered_kv.bench.machine import NOISY_IQR, NOISY_SPREAD
 from tiered_kv.bench.transfer import (
     DIRECTIONS,
@@ -281,16 +281,29 @@ def settings(args: argparse.Namespace) -> Settings:
 
 
 def print_fixed_cost(args: argparse.Namespace) -> None:
-    """One op per direction at 1 .. 256 pages; the intercept of the least-squares line."""
+    """One op per direction at 1 .. 256 pages; the intercept of the least-squares line, for ops
+    back to back and for ops interleaved with the other directions."""
     print(f"load average before {machine.load_average()}")
-    costs = measure_fixed_cost(geometry(args), args.page_sizes[0], args.repeats, args.seed)
+    warm_us, after_us = idle_penalty()
     print(
-        f"{'direction':16} {'fixed us':>9} {'GB/s':>6}  median us at "
-        f"{', '.join(map(str, PAGE_COUNTS))} pages"
+        f"control (no tiered_kv code): a fixed mix of small torch ops takes {warm_us:.0f} us "
+        f"back to back and {after_us:.0f} us right after a 5 ms blocking wait on this machine"
     )
-    for c in costs:
-        ms = " ".join(f"{s * 1e6:.0f}" for _, s in c.points)
-        print(f"{c.direction:16} {c.fixed_us:9.1f} {c.gbps:6.2f}  {ms}")
+    for warm, title in (
+        (True, "ops back to back (each direction and size in its own run, after one untimed op)"),
+        (False, "ops interleaved round-robin over directions and sizes (each after another cell)"),
+    ):
+        costs = measure_fixed_cost(
+            geometry(args), args.page_sizes[0], args.repeats, args.seed, warm=warm
+        )
+        print(title)
+        print(
+            f"{'direction':16} {'fixed us':>9} {'GB/s':>6}  median us at "
+            f"{', '.join(map(str, PAGE_COUNTS))} pages"
+        )
+        for c in costs:
+            ms = " ".join(f"{s * 1e6:.0f}" for _, s in c.points)
+            print(f"{c.direction:16} {c.fixed_us:9.1f} {c.gbps:6.2f}  {ms}")
     print(f"load average after {machine.load_average()}; every op ok, bytes verified")
 
 

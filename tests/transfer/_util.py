@@ -78,6 +78,11 @@ def make_pool(
     return pool, alloc
 
 
+# The kernel backend of make_host's pools: "torch" (the worker's Python copy threads) or
+# "native" (the copy engine); set per test by conftest's ``copier`` fixture.
+COPIER = {"kernel_backend": "torch"}
+
+
 def make_host(pool, alloc, layout: str = "page_first", *, host_pages: int = 6):
     return host_pool_for(
         pool.host_pool_decls()[0],
@@ -85,7 +90,7 @@ def make_host(pool, alloc, layout: str = "page_first", *, host_pages: int = 6):
         layout=layout,
         size_tokens=host_pages * pool.page_size,
         reserve_bytes=0,
-        kernel_backend="torch",
+        kernel_backend=COPIER["kernel_backend"],
     )
 
 

@@ -9,6 +9,7 @@ the store for backups); the pages a storage job reports done are exact even when
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -80,17 +81,46 @@ def _pages(slots: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def test_random_jobs_with_injected_faults(gen, monkeypatch):
+def _faulty_engine_jobs(host, faults: _Faults, monkeypatch) -> None:
+    """Copy-engine jobs fail too: building one raises (before or after the work), or the
+    engine refuses it (every layer of it, or one random layer)."""
+    real = host.row_job
+
+    def row_job(*args, **kwargs):
+        job = faults.call("row_job", real, *args, **kwargs)
+        if job is None:
+            return None
+        with faults._lock:
+            refuse = faults._rng.random() < FAIL_P / 2
+            one = faults._rng.randrange(len(job.layers))
+            faults.injected += refuse
+        if not refuse:
+            return job
+        if job.whole or faults._rng.random() < 0.5:
+            return dataclasses.replace(job, threads=0)
+        order = job.layers.tolist()
+        order[one] = job.shape.total_layers  # that layer alone is refused
+        return dataclasses.replace(job, shape=job.shape.with_layers(order))
+
+    monkeypatch.setattr(host, "row_job", row_job)
+
+
+def test_random_jobs_with_injected_faults(gen, monkeypatch, copier):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     print(f"random seed of this test: {seed}")
     rng = random.Random(seed)
     faults = _Faults(seed + 1)
     pool, alloc, host = kv_rig(device_pages=32, host_pages=48)
-    for name in ("load_to_device_per_layer", "backup_from_device_all_layer"):
-        real = getattr(host, name)
-        monkeypatch.setattr(
-            host, name, lambda *a, _real=real, _name=name, **k: faults.call(_name, _real, *a, **k)
-        )
+    if copier == "engine":
+        _faulty_engine_jobs(host, faults, monkeypatch)
+    else:
+        for name in ("load_to_device_per_layer", "backup_from_device_all_layer"):
+            real = getattr(host, name)
+            monkeypatch.setattr(
+                host,
+                name,
+                lambda *a, _real=real, _name=name, **k: faults.call(_name, _real, *a, **k),
+            )
     inner = MemoryStorage(
         StorageNamespace.for_host_pool(host, model="test-model"), host.page_nbytes
     )

@@ -5,20 +5,26 @@ worker's contract, the way the cache manager drives it:
 
 - ``device_to_host``: ``DeviceHostTransfer.submit(TransferJob.write(...))`` .. ``wait`` ..
   ``poll`` returning its ok result;
-- ``host_to_device``: the same for ``TransferJob.load`` (one job per layer on the load stream);
+- ``host_to_device``: the same for ``TransferJob.load`` (one layer-wise job, every layer);
 - ``host_to_storage`` / ``storage_to_host``: ``HostStorageTransfer`` backup / prefetch of the
   pages as one batch (``batch_pages`` >= the largest count) into a fresh slab store.
 
-Page counts are interleaved round-robin (``timing.interleave``) and each count keeps its median;
-a least-squares line through (bytes, median seconds) gives the fixed cost (intercept) and the
-streaming rate (1 / slope). Every op's result must be ok and the loaded / prefetched bytes are
-compared with their source once per count (``verify.fail`` on a mismatch).
+Each (direction, page count) keeps its median; a least-squares line through (bytes, median
+seconds) gives the fixed cost (intercept) and the streaming rate (1 / slope). With ``warm`` the
+ops of one direction and size run back to back (after one untimed op), as an engine issues a
+step's copies; without, cells are interleaved round-robin (``timing.interleave``) and each op
+follows another cell's op: often a blocking wait, or a copy of up to 256 pages that has
+streamed tens of MiB through the caches the interpreter runs from. :func:`idle_penalty`
+measures what a blocking wait alone costs the code run after it on this machine (a control).
+Every op's result must be ok and the loaded / prefetched bytes are compared with their source
+(``verify.fail`` on a mismatch).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -75,8 +81,30 @@ def _timed_op(worker, job: TransferJob) -> float:
     return elapsed
 
 
+def idle_penalty(repeats: int = 200) -> tuple[float, float]:
+    """Median us of a fixed mix of small torch ops and Python (what submitting an op runs)
+    back to back, and right after a 5 ms blocking wait: a control for the machine, not a
+    measurement of tiered_kv."""
+    x = torch.arange(8)
+    pause = threading.Event()
+
+    def work() -> float:
+        t = time.perf_counter()
+        for _ in range(10):
+            y = x.clone().to(torch.int64).contiguous()
+            torch.empty(8, dtype=torch.int64).copy_(y)
+        return time.perf_counter() - t
+
+    warm, after = [], []
+    for _ in range(repeats):
+        warm.append(work())
+        pause.wait(0.005)
+        after.append(work())
+    return median(warm) * 1e6, median(after) * 1e6
+
+
 def measure_fixed_cost(
-    geom: Geometry, page_size: int, repeats: int, seed: int = 0
+    geom: Geometry, page_size: int, repeats: int, seed: int = 0, warm: bool = False
 ) -> list[FixedCost]:
     """The four directions' fits on CPU (see the module docstring)."""
     most = max(PAGE_COUNTS) * page_size
@@ -129,7 +157,12 @@ def measure_fixed_cost(
             arms[("h2d", n)] = lambda _r, n=n: device_host(n, True)
             arms[("h2s", n)] = lambda _r, n=n: storage(n, True)
             arms[("s2h", n)] = lambda _r, n=n: storage(n, False)
-        got = interleave(arms, repeats, warmup=1)
+        if warm:  # each cell's ops back to back, after one untimed op; prefetches before the
+            # backups, whose fresh pages would evict what the prefetches read
+            order = sorted(arms, key=lambda key: ["d2h", "h2d", "s2h", "h2s"].index(key[0]))
+            got = {key: [arms[key](None) for _ in range(repeats + 1)][1:] for key in order}
+        else:
+            got = interleave(arms, repeats, warmup=1)
         _verify(pool, host, decl.layer_ids, src, dst, hst, back, most)
     finally:
         dh.close()

@@ -27,6 +27,7 @@ from tiered_kv.host.layout import HostLayout
 from tiered_kv.host.memory import HostBuffer, check_available, default_reserve_bytes, host_tokens
 from tiered_kv.host.page_bytes import PageBytes
 from tiered_kv.host.transfer_plan import HostTransfers
+from tiered_kv.kernels.copy_engine import RowJob
 from tiered_kv.platform import KernelBackend
 
 
@@ -195,6 +196,26 @@ class HostKVCache:
         """Every layer at once (no layer-wise overlap); for tests and bulk restores."""
         self._transfers.load_to_device_all_layer(
             device_pool, host_indices, device_indices, io_backend
+        )
+
+    def row_job(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        to_host: bool,
+        io_backend: str = "kernel",
+    ) -> RowJob | None:
+        """The transfer ``backup_from_device_all_layer`` (``to_host``) or a layer-wise load
+        would do, as one job for the native copy engine (``kernels.copy_engine``), validated
+        the same way; None where the engine does not apply (``HostTransfers.row_job``) or
+        where this pool's copy method is overridden (by a subclass or on the instance): the
+        engine would bypass the override."""
+        name = "backup_from_device_all_layer" if to_host else "load_to_device_per_layer"
+        if name in vars(self) or getattr(type(self), name) is not getattr(HostKVCache, name):
+            return None
+        return self._transfers.row_job(
+            device_pool, host_indices, device_indices, to_host, io_backend
         )
 
     # -- pages as bytes (storage tier; ``page_bytes.py``) -----------------------------------------

@@ -5,7 +5,9 @@ the pair is validated (``transfer.plan_transfer``) once; what the io backends de
 (direct runs, record offsets, the launcher's :class:`PlanCache`) is computed on first use and
 kept with it. A layer-wise load calls once per layer with the same index tensors, so the last
 prepared transfer is reused while both tensors are the same objects, unmodified (``_version``).
-The kernel backend is called the same way whichever it is.
+The kernel backend is called the same way whichever it is. With the native backend a transfer
+can also be described as a :class:`~tiered_kv.kernels.copy_engine.RowJob` (``row_job``) for the
+copy engine's thread, validated here the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv._checks import check_index_tensor
 from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
@@ -28,11 +31,20 @@ from tiered_kv.host.transfer import (
     direct_runs,
     plan_transfer,
 )
-from tiered_kv.kernels import PlanCache, transfer_kernels
+from tiered_kv.kernels import PlanCache, copy_engine, transfer_kernels
+from tiered_kv.kernels.copy_engine import IndexCheck, RowJob, RowShape, engine_threads
+from tiered_kv.kernels.transfer_native import STREAM_MIN_BYTES, bases_of
 from tiered_kv.names import IOBackend
 from tiered_kv.platform import KernelBackend
 
+_CPU = torch.device("cpu")
 DeviceBuffers = tuple[tuple[torch.Tensor, ...], ...]
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype is torch.int64 and t.is_contiguous():
+        return t
+    return t.to(torch.int64).contiguous()
 
 
 class _Prepared:
@@ -96,14 +108,17 @@ class HostTransfers:
         self._kernels = transfer_kernels(decl.device, kernel_backend)
         self._prepared: _Prepared | None = None
         self._dev_buffers: DeviceBuffers | None = None
+        self._rows: RowShape | None = None  # what every copy-engine job of this pool shares
+        self._checks: IndexCheck | None = None  # the engine jobs' index checks (built on use)
 
     @property
     def kernel_backend(self) -> KernelBackend:
         return self._kernels.backend
 
     def forget(self) -> None:
-        """Drop the prepared transfer and the launcher's cached plans."""
+        """Drop the prepared transfer, the launcher's cached plans and the engine's shape."""
         self._prepared = None
+        self._rows = None
 
     # -- the three directions (the host pool's public methods) ---------------------------------
     def backup_from_device_all_layer(
@@ -141,6 +156,86 @@ class HostTransfers:
         prepared = self._prepare(host_indices, device_indices, "load_to_device_all_layer")
         self._run(prepared, None, io, to_host=False)
 
+    def row_job(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        to_host: bool,
+        io: str,
+    ) -> RowJob | None:
+        """Every layer of a transfer as one copy-engine job, validated like the copy methods
+        (bad input raises before anything is queued): device -> host (``to_host``) a whole
+        job with one completion, host -> device one completion per layer, in layer order.
+        None where the engine does not apply: io backend ``direct``, a kernel backend other
+        than native, or an engine that does not build here."""
+        check_io_backend(io)
+        where = "backup_from_device_all_layer" if to_host else "load_to_device_per_layer"
+        self._check_pool(device_pool, where)
+        if (
+            io != IOBackend.KERNEL
+            or self._kernels.backend is not KernelBackend.NATIVE
+            or not copy_engine.available()
+        ):
+            return None
+        buffer = self._buffer.live()
+        shape = self._row_shape(buffer)
+        decl, strides = self.decl, self._strides
+        physical = self.device_allocator.translate_kv_indices_for_transfer(device_indices)
+        check_index_tensor(f"{where}: host_indices", host_indices, _CPU)
+        check_index_tensor(f"{where}: device_indices", physical, decl.device)
+        n = host_indices.shape[0]
+        if physical.shape[0] != n:
+            self._plan(host_indices, physical, where)  # raises, naming both lengths
+        # Contiguous int64 (copies only where the tensors are strided or int32): the C side
+        # walks them as plain arrays; they stay alive with the job.
+        host, dev = _int64(host_indices), _int64(physical)
+        if self._checks is None:
+            self._checks = IndexCheck(self.size, decl.num_slots)
+        tok, bad = self._checks.offsets(
+            host,
+            dev,
+            decl.page_size,
+            decl.page_size,
+            strides.page,
+            strides.token,
+            buffer.element_size(),
+        )
+        if bad >= 0:
+            self._plan(host_indices, physical, where)  # raises, naming the values
+            raise InvalidArgumentError(f"{where}: index check failed")  # not reached
+        per_entry = n * shape.token_bytes * (decl.layer_num if to_host else 1)
+        return RowJob(
+            shape,
+            dev,
+            tok,
+            to_host=to_host,
+            whole=to_host,
+            chunked=to_host and self.layout.token_major,
+            threads=engine_threads(per_entry),
+            nt=per_entry >= STREAM_MIN_BYTES,
+            keep=(host, dev),
+        )
+
+    def _row_shape(self, buffer: torch.Tensor) -> RowShape:
+        shape = self._rows
+        if shape is None or shape.host_base != buffer.data_ptr():
+            decl, elt = self.decl, buffer.element_size()
+            if self._dev_buffers is None:
+                self._dev_buffers = tuple(
+                    tuple(part.buffer(i) for i in range(decl.layer_num)) for part in decl.parts
+                )
+            bufs = self._dev_buffers
+            shape = self._rows = RowShape(
+                bases_of(bufs),
+                [b[0].numel() // b[0].shape[0] * elt for b in bufs],
+                [o * elt for o in self.part_offsets],
+                buffer.data_ptr(),
+                self._strides.layer * elt,
+                keep=(buffer, bufs),
+            )
+        return shape
+
     # -- prepare and run -----------------------------------------------------------------------
     def _check_pool(self, device_pool: Any, where: str) -> None:
         if device_pool is not self.decl.device_pool:
@@ -158,8 +253,15 @@ class HostTransfers:
         if cached is not None and cached.made_from(host_indices, device_indices):
             return cached
         physical = self.device_allocator.translate_kv_indices_for_transfer(device_indices)
+        prepared = _Prepared(
+            host_indices, device_indices, self._plan(host_indices, physical, where)
+        )
+        self._prepared = prepared
+        return prepared
+
+    def _plan(self, host_indices: torch.Tensor, physical: torch.Tensor, where: str) -> TransferPlan:
         device = self.decl.device
-        plan = plan_transfer(
+        return plan_transfer(
             host_indices,
             physical,
             host_size=self.size,
@@ -170,9 +272,6 @@ class HostTransfers:
             or bool(getattr(self.device_allocator, "debug_mode", False)),
             where=where,
         )
-        prepared = _Prepared(host_indices, device_indices, plan)
-        self._prepared = prepared
-        return prepared
 
     def _run(self, prepared: _Prepared, layers: list[int] | None, io: str, to_host: bool) -> None:
         """Copy local ``layers`` (None: every layer) of a prepared transfer."""

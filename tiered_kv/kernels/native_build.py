@@ -1,6 +1,7 @@
-"""Build and load the native block copier (``native/copy_blocks.c``) on first use.
+"""Build and load the native libraries on first use: the block copier (``native/copy_blocks.c``)
+and the copy engine (``native/copy_engine.c`` with ``copy_rows.c`` and ``index_check.c``).
 
-The shared library is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``)
+Each shared library is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into a cache folder keyed by the source's hash, then loaded with ctypes. Where no compiler works
 the native path is unavailable and :func:`load` says why; callers fall back to the torch path.
 """
@@ -21,10 +22,15 @@ from tiered_kv import platform
 from tiered_kv.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).with_name("native") / "copy_blocks.c"
+_NATIVE = Path(__file__).with_name("native")
+ENGINE_SOURCES = tuple(_NATIVE / n for n in ("copy_engine.c", "copy_rows.c", "index_check.c"))
+ENGINE_HEADERS = (_NATIVE / "copy_rows.h",)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+_engine_lib: ctypes.CDLL | None = None
+_engine_error: str | None = None
 
 
 def cache_dir() -> Path:
@@ -39,7 +45,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, sources: Path | tuple[Path, ...] = SOURCE) -> None:
     cc = _compiler()
     if cc is None:
         raise BackendUnavailableError(
@@ -48,7 +54,8 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(out)]
+        files = [str(sources)] if isinstance(sources, Path) else [str(x) for x in sources]
+        cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", *files, "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise BackendUnavailableError(
@@ -65,12 +72,7 @@ def load() -> ctypes.CDLL | None:
         if _lib is not None or _error is not None:
             return _lib
         try:
-            digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-            tag = f"{sys.platform}-{os.uname().machine}" if hasattr(os, "uname") else sys.platform
-            target = cache_dir() / f"copy_blocks-{digest}-{tag}.so"
-            if not target.exists():
-                _build(target)
-            lib = ctypes.CDLL(str(target))
+            lib = _built(SOURCE)
             fn = lib.tkv_copy_blocks
             fn.argtypes = [
                 ctypes.c_void_p,
@@ -91,3 +93,35 @@ def load() -> ctypes.CDLL | None:
 def error() -> str | None:
     load()
     return _error
+
+
+def _built(sources: Path | tuple[Path, ...], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    files = (sources,) if isinstance(sources, Path) else sources
+    h = hashlib.sha256()
+    for f in (*files, *headers):
+        h.update(f.read_bytes())
+    digest = h.hexdigest()[:16]
+    tag = f"{sys.platform}-{os.uname().machine}" if hasattr(os, "uname") else sys.platform
+    target = cache_dir() / f"{files[0].stem}-{digest}-{tag}.so"
+    if not target.exists():
+        _build(target, sources)
+    return ctypes.CDLL(str(target))
+
+
+def load_engine() -> ctypes.CDLL | None:
+    """The copy engine's library (argument types set by ``kernels.copy_engine``), building it
+    if needed; None (with :func:`engine_error`) if impossible."""
+    global _engine_lib, _engine_error
+    with _lock:
+        if _engine_lib is not None or _engine_error is not None:
+            return _engine_lib
+        try:
+            _engine_lib = _built(ENGINE_SOURCES, ENGINE_HEADERS)
+        except Exception as exc:  # no compiler, unwritable cache, foreign platform
+            _engine_error = f"native copy engine unavailable: {exc}"
+        return _engine_lib
+
+
+def engine_error() -> str | None:
+    load_engine()
+    return _engine_error

@@ -68,7 +68,7 @@ def _same_buffers(given: Sequence[Sequence[torch.Tensor]], kept: Buffers) -> boo
 _BASES: dict[int, tuple[list[weakref.ref], np.ndarray]] = {}
 
 
-def _bases_of(dev_buffers: Buffers) -> np.ndarray:
+def bases_of(dev_buffers: Buffers) -> np.ndarray:
     """(layers, parts) base addresses, kept per buffer tuple: a caller that hands the same
     tuple to every transfer (the host pool does) pays for them once. Only weak references are
     kept (a dropped pool's memory is freed); the entry counts only while each is the same
@@ -119,7 +119,7 @@ class NativeRowPlan:
         # Addresses are computed with numpy: torch's intra-op threads made these few
         # elementwise ops 20-30x slower on a loaded 2-core machine (33 ms against 1 ms for the
         # 262k addresses of 32 layers x 4096 tokens), and each torch op costs ~5 us more.
-        self._bases = _bases_of(self._dev_buffers)
+        self._bases = bases_of(self._dev_buffers)
         self._nbytes = np.array(self.row_bytes, dtype=np.int64)
         self._part_bytes = np.array(self._part_offsets, dtype=np.int64) * elt
         self._rows = dev_rows.numpy().astype(np.int64, copy=False)

@@ -74,6 +74,15 @@ class LayerDoneCounter:
         self._check_layer(layer)
         self._events[slot][layer] = event
 
+    def record_all(self, slot: int, events: list[CopyEvent]) -> None:
+        """One event per local layer, in layer order (``record`` for each, in one step)."""
+        self._check_slot(slot)
+        if len(events) != self.num_layers:
+            raise InvalidArgumentError(
+                f"{len(events)} events for {self.num_layers} layers; record one per layer"
+            )
+        self._events[slot] = list(events)
+
     def set_consumer(self, slot: int | None) -> None:
         """The slot whose loads the next forward pass reads (None: read without waiting)."""
         if slot is not None:
