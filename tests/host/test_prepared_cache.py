@@ -8,8 +8,8 @@ import torch
 from tiered_kv import InvalidArgumentError
 from tiered_kv.device import MHATokenToKVPool, PagedTokenToKVPoolAllocator
 from tiered_kv.host import host_pool_for
+from tiered_kv.host.engine_jobs import EngineJobs
 from tiered_kv.hugepages import advise_huge_pages, empty_zeroed
-from tiered_kv.kernels import transfer_native
 
 P = 16
 
@@ -53,16 +53,16 @@ def test_in_place_change_of_indices_is_seen(gen, kernel_backend):
 
 
 def test_a_layer_wise_load_builds_one_native_plan(gen, monkeypatch):
-    """The pool hands the launcher the same arguments and plan cache for every layer of a load,
-    so the native copier builds its plan once per transfer and direction, not once per call."""
+    """The native backend's copies run on the copy engine from a job kept with the prepared
+    transfer: one job per transfer and direction, not one per call of a layer-wise load."""
     built = []
+    real = EngineJobs.job
 
-    class Counted(transfer_native.NativeRowPlan):
-        def __init__(self, *args, **kwargs):
-            built.append(args[5])  # to_host
-            super().__init__(*args, **kwargs)
+    def counted(self, host_indices, physical, to_host, where, explain):
+        built.append(to_host)
+        return real(self, host_indices, physical, to_host, where, explain)
 
-    monkeypatch.setattr(transfer_native, "NativeRowPlan", Counted)
+    monkeypatch.setattr(EngineJobs, "job", counted)
     pool, alloc, host = _setup(gen, "native")
     src, dst, h = alloc.alloc(2 * P), alloc.alloc(2 * P), host.alloc(2 * P)
     host.backup_from_device_all_layer(pool, h, src)

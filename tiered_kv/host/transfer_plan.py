@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from tiered_kv._checks import check_index_tensor
 from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host import layout as layouts
+from tiered_kv.host.engine_jobs import EngineJobs
 from tiered_kv.host.layout import HostLayout
 from tiered_kv.host.memory import HostBuffer
 from tiered_kv.host.transfer import (
@@ -32,8 +32,7 @@ from tiered_kv.host.transfer import (
     plan_transfer,
 )
 from tiered_kv.kernels import PlanCache, copy_engine, transfer_kernels
-from tiered_kv.kernels.copy_engine import IndexCheck, RowJob, RowShape, engine_threads
-from tiered_kv.kernels.transfer_native import STREAM_MIN_BYTES, bases_of
+from tiered_kv.kernels.copy_engine import RowJob
 from tiered_kv.names import IOBackend
 from tiered_kv.platform import KernelBackend
 
@@ -59,6 +58,7 @@ class _Prepared:
         "dev_buffers",
         "host_offsets",
         "plan_cache",
+        "engine_jobs",
     )
 
     def __init__(self, host_src: torch.Tensor, device_src: torch.Tensor, plan: TransferPlan):
@@ -70,6 +70,7 @@ class _Prepared:
         self.dev_buffers: DeviceBuffers | None = None  # [part][local layer], every layer
         self.host_offsets: torch.Tensor | None = None  # (layers, n) record offsets
         self.plan_cache = PlanCache()
+        self.engine_jobs: dict[bool, RowJob] = {}  # by direction (to_host)
 
     def made_from(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         return (
@@ -108,8 +109,9 @@ class HostTransfers:
         self._kernels = transfer_kernels(decl.device, kernel_backend)
         self._prepared: _Prepared | None = None
         self._dev_buffers: DeviceBuffers | None = None
-        self._rows: RowShape | None = None  # what every copy-engine job of this pool shares
-        self._checks: IndexCheck | None = None  # the engine jobs' index checks (built on use)
+        self._engine = EngineJobs(
+            decl, buffer, layout, self._strides, size=size, part_offsets=self.part_offsets
+        )
 
     @property
     def kernel_backend(self) -> KernelBackend:
@@ -118,7 +120,7 @@ class HostTransfers:
     def forget(self) -> None:
         """Drop the prepared transfer, the launcher's cached plans and the engine's shape."""
         self._prepared = None
-        self._rows = None
+        self._engine.forget()
 
     # -- the three directions (the host pool's public methods) ---------------------------------
     def backup_from_device_all_layer(
@@ -164,77 +166,24 @@ class HostTransfers:
         to_host: bool,
         io: str,
     ) -> RowJob | None:
-        """Every layer of a transfer as one copy-engine job, validated like the copy methods
-        (bad input raises before anything is queued): device -> host (``to_host``) a whole
-        job with one completion, host -> device one completion per layer, in layer order.
-        None where the engine does not apply: io backend ``direct``, a kernel backend other
-        than native, or an engine that does not build here."""
+        """Every layer of a transfer as one copy-engine job (``EngineJobs.job``), validated
+        like the copy methods: bad input raises before anything is queued. None where the
+        engine does not apply: io backend ``direct``, a kernel backend other than native, or
+        an engine that does not build here."""
         check_io_backend(io)
         where = "backup_from_device_all_layer" if to_host else "load_to_device_per_layer"
         self._check_pool(device_pool, where)
-        if (
-            io != IOBackend.KERNEL
-            or self._kernels.backend is not KernelBackend.NATIVE
-            or not copy_engine.available()
-        ):
+        if not self._engine_applies(io):
             return None
-        buffer = self._buffer.live()
-        shape = self._row_shape(buffer)
-        decl, strides = self.decl, self._strides
         physical = self.device_allocator.translate_kv_indices_for_transfer(device_indices)
-        check_index_tensor(f"{where}: host_indices", host_indices, _CPU)
-        check_index_tensor(f"{where}: device_indices", physical, decl.device)
-        n = host_indices.shape[0]
-        if physical.shape[0] != n:
-            self._plan(host_indices, physical, where)  # raises, naming both lengths
-        # Contiguous int64 (copies only where the tensors are strided or int32): the C side
-        # walks them as plain arrays; they stay alive with the job.
-        host, dev = _int64(host_indices), _int64(physical)
-        if self._checks is None:
-            self._checks = IndexCheck(self.size, decl.num_slots)
-        tok, bad = self._checks.offsets(
-            host,
-            dev,
-            decl.page_size,
-            decl.page_size,
-            strides.page,
-            strides.token,
-            buffer.element_size(),
-        )
-        if bad >= 0:
-            self._plan(host_indices, physical, where)  # raises, naming the values
-            raise InvalidArgumentError(f"{where}: index check failed")  # not reached
-        per_entry = n * shape.token_bytes * (decl.layer_num if to_host else 1)
-        return RowJob(
-            shape,
-            dev,
-            tok,
-            to_host=to_host,
-            whole=to_host,
-            chunked=to_host and self.layout.token_major,
-            threads=engine_threads(per_entry),
-            nt=per_entry >= STREAM_MIN_BYTES,
-            keep=(host, dev),
-        )
+        return self._engine.job(host_indices, physical, to_host, where, self._plan)
 
-    def _row_shape(self, buffer: torch.Tensor) -> RowShape:
-        shape = self._rows
-        if shape is None or shape.host_base != buffer.data_ptr():
-            decl, elt = self.decl, buffer.element_size()
-            if self._dev_buffers is None:
-                self._dev_buffers = tuple(
-                    tuple(part.buffer(i) for i in range(decl.layer_num)) for part in decl.parts
-                )
-            bufs = self._dev_buffers
-            shape = self._rows = RowShape(
-                bases_of(bufs),
-                [b[0].numel() // b[0].shape[0] * elt for b in bufs],
-                [o * elt for o in self.part_offsets],
-                buffer.data_ptr(),
-                self._strides.layer * elt,
-                keep=(buffer, bufs),
-            )
-        return shape
+    def _engine_applies(self, io: str) -> bool:
+        return (
+            io == IOBackend.KERNEL
+            and self._kernels.backend is KernelBackend.NATIVE
+            and copy_engine.available()
+        )
 
     # -- prepare and run -----------------------------------------------------------------------
     def _check_pool(self, device_pool: Any, where: str) -> None:
@@ -301,6 +250,15 @@ class HostTransfers:
             direct_copy(
                 dev_buffers, views, chosen, prepared.runs, self.layout, decl.page_size, to_host
             )
+            return
+        if self._engine_applies(io):
+            # The native backend's copies run on the copy engine: the caller helps the
+            # engine's copier, and a layer-wise loop pays no thread start per layer.
+            job = prepared.engine_jobs.get(to_host)
+            if job is None:
+                job = self._engine.job(plan.host, plan.device, to_host, "transfer", self._plan)
+                prepared.engine_jobs[to_host] = job
+            self._engine.run(job, layers)
             return
         if prepared.host_offsets is None:
             every = list(range(decl.layer_num))

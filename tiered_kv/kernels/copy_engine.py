@@ -146,6 +146,24 @@ class CopyEngine:
                 raise StateError(f"copy engine {self.name!r} is closed")
         return [RowEvent(submitted, i) for i in range(job.entries)]
 
+    def run(self, job: RowJob) -> None:
+        """Copy ``job`` now on the calling thread (GIL released) and up to ``job.threads - 1``
+        of the engine's helper threads, after the job being copied. Raises TransferError if
+        any entry was refused, StateError once closed."""
+        submitted = _Submitted(self, job)
+        with self._lock:
+            if self._closed:
+                raise StateError(f"copy engine {self.name!r} is closed")
+            self._waiters += 1  # the engine's memory stays until this call is out of it
+        try:
+            rc = self.lib.tkv_engine_run(self._handle, ctypes.byref(submitted.struct))
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                self._free_if_idle()
+        if rc != 0:
+            RowEvent(submitted, int(np.argmax(submitted.track[: job.entries] != 1))).synchronize()
+
     def wait_status(self, ptr: int, spin_ns: int = 0) -> int:
         """Block (GIL released) until the status entry at ``ptr`` is set; its value. The
         calling thread copies units of the engine's current job meanwhile, then spins up to

@@ -21,6 +21,8 @@ def lib() -> ctypes.CDLL:
         lib.tkv_engine_start.restype = _P
         lib.tkv_engine_submit.argtypes = [_P, ctypes.POINTER(_Rows)]
         lib.tkv_engine_submit.restype = ctypes.c_int
+        lib.tkv_engine_run.argtypes = [_P, ctypes.POINTER(_Rows)]
+        lib.tkv_engine_run.restype = ctypes.c_int
         lib.tkv_engine_wait.argtypes = [_P, _P, _I64, _I64, _I64]
         lib.tkv_engine_wait.restype = _I64
         lib.tkv_engine_stop.argtypes = [_P]

@@ -100,18 +100,20 @@ static void *helper(void *arg) {
     }
 }
 
+/* Run one job on the calling thread (the copier, or a caller of tkv_engine_run) with the
+ * helpers it allows; one job at a time per engine, so jobs never overlap. */
 static void run_job(tkv_engine *e, const tkv_rows *j) {
     tkv_run r;
+    pthread_mutex_lock(&e->m);
+    while (e->cur) pthread_cond_wait(&e->done, &e->m);
     if (!tkv_run_init(&r, j, &e->m, &e->done)) {
         tkv_run_refuse(j);
-        pthread_mutex_lock(&e->m);
         pthread_cond_broadcast(&e->done);
         pthread_mutex_unlock(&e->m);
         return;
     }
     int64_t want = j->threads - 1 < TKV_MAX_HELPERS ? j->threads - 1 : TKV_MAX_HELPERS;
     if (r.total < 2) want = 0;
-    pthread_mutex_lock(&e->m);
     while (e->nhelpers < want &&
            pthread_create(&e->helpers[e->nhelpers], 0, helper, e) == 0)
         e->nhelpers++;
@@ -125,11 +127,24 @@ static void run_job(tkv_engine *e, const tkv_rows *j) {
     tkv_run_work(&r);
     tkv_run_publish(&r); /* a job without units (no tokens) is published here */
     pthread_mutex_lock(&e->m);
-    e->cur = 0;
     e->may_join = 0;
     while (r.published < r.entries || r.joined > 0) pthread_cond_wait(&e->done, &e->m);
+    e->cur = 0;
+    pthread_cond_broadcast(&e->done); /* a job waiting for its turn may start */
     pthread_mutex_unlock(&e->m);
     tkv_run_free(&r);
+}
+
+/* Run *job now on the calling thread and the engine's helpers (j->threads - 1 of them), after
+ * the job being copied; returns when every status entry is set: 0, or -1 if any was refused. */
+int tkv_engine_run(void *handle, const tkv_rows *job) {
+    tkv_engine *e = (tkv_engine *)handle;
+    if (!job->status) return -1;
+    run_job(e, job);
+    int64_t entries = job->whole || job->nlayers < 1 ? 1 : job->nlayers;
+    for (int64_t k = 0; k < entries; k++)
+        if (__atomic_load_n(&job->status[k], __ATOMIC_ACQUIRE) != 1) return -1;
+    return 0;
 }
 
 static tkv_node *take(tkv_engine *e) {

@@ -12,6 +12,7 @@
 
 #define TKV_CHUNK 16              /* tokens per host region of a chunked whole job */
 #define TKV_UNIT_BYTES (256 << 10) /* about this many bytes per unit of a layer */
+#define TKV_AHEAD 4 /* records prefetched this many tokens ahead */
 
 int64_t tkv_now_ns(void) {
     struct timespec t;
@@ -45,9 +46,17 @@ static void copy_tokens(const tkv_rows *j, int64_t l, int64_t t0, int64_t t1) {
     const int64_t *bases = j->dev_bases + l * j->nparts;
     char *host = (char *)(intptr_t)(j->host_base + l * j->host_layer_bytes);
     int nt = (int)j->nt;
+    int64_t rec_bytes = j->part_bytes[j->nparts - 1] + j->row_bytes[j->nparts - 1];
     for (int64_t i = t0; i < t1; i++) {
         char *rec = host + j->host_tok[i];
         int64_t row = j->dev_rows[i];
+        if (i + TKV_AHEAD < t1) { /* the record read TKV_AHEAD tokens later: scattered reads */
+            const char *next = j->to_host ? (const char *)(intptr_t)bases[0] +
+                                                j->dev_rows[i + TKV_AHEAD] * j->row_bytes[0]
+                                          : host + j->host_tok[i + TKV_AHEAD];
+            int64_t span = j->to_host ? j->row_bytes[0] : rec_bytes;
+            for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(next + b, 0, 0);
+        }
         for (int64_t p = 0; p < j->nparts; p++) {
             int64_t rb = j->row_bytes[p];
             char *h = rec + j->part_bytes[p];
