@@ -256,3 +256,29 @@ def test_row_shape_copies_every_layer_unless_told_which():
     shape = RowShape(np.zeros((3, 2), dtype=np.int64), [8, 8], [0, 8], 1 << 20, 16)
     assert shape.layers.tolist() == [0, 1, 2]
     assert shape.with_layers([2, 0]).layers.tolist() == [2, 0]
+
+
+def test_run_copies_on_the_calling_thread_with_helpers_and_refuses_bad_jobs(gen):
+    pool, alloc, host = _rig(gen, "mha_v", "page_first", 1, pages=300, host_pages=300)
+    engine = CopyEngine("test", spin_us=0.0)
+    try:
+        h, d = _pairs(gen, alloc, host, 250)  # 16 tokens per unit: units for three threads
+        dev0 = device_snapshot(pool)
+        job = host.row_job(pool, h, d, to_host=False)
+        engine.run(dataclasses.replace(job, whole=True, threads=3))
+        want = expected_device_after_load(dev0, _as_device(pool, host_snapshot(host)), h, d)
+        assert_device_equal(pool, want)
+        fill_bits(host.buffer, gen)
+        host0, dev1 = host_snapshot(host), device_snapshot(pool)
+        engine.run(dataclasses.replace(host.row_job(pool, h, d, to_host=True), threads=2))
+        assert_host_equal(host, expected_host_after_backup(pool, host0, dev1, h, d))
+        with pytest.raises(TransferError, match="refused"):
+            engine.run(dataclasses.replace(job, whole=True, threads=0))
+        order = list(range(pool.layer_num))
+        order[-1] = -1
+        with pytest.raises(TransferError, match="refused"):
+            engine.run(dataclasses.replace(job, shape=job.shape.with_layers(order)))
+    finally:
+        engine.close()
+    with pytest.raises(StateError, match="closed"):
+        engine.run(job)
