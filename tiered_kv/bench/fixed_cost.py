@@ -10,7 +10,8 @@ worker's contract, the way the cache manager drives it:
   pages as one batch (``batch_pages`` >= the largest count) into a fresh slab store.
 
 Each (direction, page count) keeps its median; a least-squares line through (bytes, median
-seconds) gives the fixed cost (intercept) and the streaming rate (1 / slope). With ``warm`` the
+seconds), weighted for relative error, gives the fixed cost (intercept) and the streaming rate
+(1 / slope). With ``warm`` the
 ops of one direction and size run back to back (after one untimed op), as an engine issues a
 step's copies; without, cells are interleaved round-robin (``timing.interleave``) and each op
 follows another cell's op: often a blocking wait, or a copy of up to 256 pages that has
@@ -54,10 +55,12 @@ class FixedCost:
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(intercept seconds, slope seconds per byte) of a least-squares line."""
+    """(intercept seconds, slope seconds per byte) of a least-squares line of relative error:
+    the points span 2.5 decades of bytes, and a plain fit lets the largest ones set the
+    intercept (plus or minus hundreds of us: even negative ones)."""
     x = np.array([b for b, _ in points], dtype=np.float64)
     y = np.array([s for _, s in points], dtype=np.float64)
-    slope, intercept = np.polyfit(x, y, 1)
+    slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
     return float(intercept), float(slope)
 
 

@@ -72,6 +72,11 @@ class RowEvent:
     def wait(self) -> None:
         self.synchronize()
 
+    @property
+    def submitted(self) -> _Submitted:
+        """The job this event belongs to (``finished`` answers for all of its entries)."""
+        return self._submitted
+
     def seconds(self) -> float:
         if not self._status():
             return 0.0
@@ -92,12 +97,21 @@ class _Submitted:
         self._last_seen = False  # the last entry was read set: every entry is (in order)
 
     def status_of(self, index: int) -> int:
-        if self._last_seen:
-            return int(self.track[index])
-        value = int(self.engine.lib.tkv_status(self._base + 8 * index))
-        if value and index == self.job.entries - 1:
+        if not self._last_seen:
+            # The last entry first: once it is set every entry is, and the rest are plain
+            # reads of ``track`` (a poll of 32 layers is one C call, not 32).
+            last = self.job.entries - 1
+            if not self.engine.lib.tkv_status(self._base + 8 * last):
+                return int(self.engine.lib.tkv_status(self._base + 8 * index))
             self._last_seen = True
-        return value
+        return int(self.track[index])
+
+    def finished(self) -> tuple[bool, float] | None:
+        """(every entry done, total seconds) once the last entry is set, else None."""
+        if self.status_of(self.job.entries - 1) == 0:
+            return None
+        n = self.job.entries
+        return bool((self.track[:n] == 1).all()), float(self.track[n:].sum()) / 1e9
 
     def wait_for(self, index: int) -> int:
         if self._last_seen:

@@ -28,7 +28,7 @@ import torch
 from tiered_kv._checks import check_index_tensor
 from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.kernels.copy_engine import CopyEngine, RowJob
+from tiered_kv.kernels.copy_engine import CopyEngine, RowEvent, RowJob
 from tiered_kv.names import Direction, IOBackend, JobId, parse
 from tiered_kv.transfer.base import HostCopies, TransferJob, TransferResult, TransferWorker
 from tiered_kv.transfer.layer_done import LayerDoneCounter
@@ -196,8 +196,15 @@ class DeviceHostTransfer(TransferWorker):
         return out
 
     def _finish(self, copy: _Copy) -> TransferResult:
-        ok = all(_done_or_failed(e) for e in copy.events)
-        seconds = sum(e.seconds() for e in copy.events)
+        first = copy.events[0]
+        summary = first.submitted.finished() if isinstance(first, RowEvent) else None
+        if summary is not None and all(
+            isinstance(e, RowEvent) and e.submitted is first.submitted for e in copy.events
+        ):
+            ok, seconds = summary  # one engine job: its entries read at once
+        else:
+            ok = all(_done_or_failed(e) for e in copy.events)
+            seconds = sum(e.seconds() for e in copy.events)
         direction = copy.job.direction
         self.stats.add(direction, copy.nbytes, seconds, ok)
         # Only while the slot still holds this load's events: a newer load may have taken it.

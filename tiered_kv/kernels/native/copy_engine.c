@@ -36,19 +36,26 @@ typedef struct tkv_node {
     struct tkv_node *next;
 } tkv_node;
 
+/* The job being copied: its run, the queue node it came from, how many helper threads may
+ * still join it. Any thread may start it and any may finish it: the last thread to leave it
+ * once every unit is taken frees it. */
+typedef struct {
+    tkv_run r;
+    tkv_node *node;
+    int64_t may_join;
+} tkv_cur;
+
 typedef struct {
     pthread_mutex_t m;
-    pthread_cond_t work, done, help;
+    pthread_cond_t work, done;
     tkv_node *head, *tail;
     int stopping;
     int64_t spin_ns;
     int nice; /* added to the copier's and helpers' nice value: compute threads come first */
     pthread_t thread;
-    /* helpers: the job being shared (cur, under m), its generation, how many may join it */
     pthread_t helpers[TKV_MAX_HELPERS];
     int nhelpers;
-    tkv_run *cur;
-    int64_t gen, may_join;
+    tkv_cur *cur; /* under m */
 } tkv_engine;
 
 static void spin_until(const int64_t *word, int64_t old, int64_t spin_ns) {
@@ -70,108 +77,117 @@ static void lower_priority(const tkv_engine *e) {
 #endif
 }
 
-static void *helper(void *arg) {
-    tkv_engine *e = (tkv_engine *)arg;
-    int64_t seen = 0;
-    lower_priority(e);
-    for (;;) {
-        spin_until(&e->gen, seen, e->spin_ns);
-        pthread_mutex_lock(&e->m);
-        while (e->gen == seen && !e->stopping) pthread_cond_wait(&e->help, &e->m);
-        if (e->stopping) {
-            pthread_mutex_unlock(&e->m);
-            return 0;
-        }
-        seen = e->gen;
-        tkv_run *r = e->cur;
-        if (r && e->may_join > 0) {
-            e->may_join--;
-            r->joined++;
-        } else {
-            r = 0;
-        }
-        pthread_mutex_unlock(&e->m);
-        if (!r) continue;
-        tkv_run_work(r);
-        pthread_mutex_lock(&e->m);
-        r->joined--;
-        pthread_cond_broadcast(&e->done);
-        pthread_mutex_unlock(&e->m);
-    }
+static int units_left(const tkv_cur *c) {
+    return __atomic_load_n(&c->r.next, __ATOMIC_ACQUIRE) < c->r.total;
 }
 
-/* Run one job on the calling thread (the copier, or a caller of tkv_engine_run) with the
- * helpers it allows; one job at a time per engine, so jobs never overlap. */
-static void run_job(tkv_engine *e, const tkv_rows *j) {
-    tkv_run r;
-    pthread_mutex_lock(&e->m);
-    while (e->cur) pthread_cond_wait(&e->done, &e->m);
-    if (!tkv_run_init(&r, j, &e->m, &e->done)) {
-        tkv_run_refuse(j);
+static void *helper(void *arg);
+
+/* Under e->m: clear and free the current job (every unit done and published). */
+static void finalize(tkv_engine *e, tkv_cur *c) {
+    e->cur = 0;
+    tkv_run_free(&c->r);
+    free(c->node);
+    free(c);
+    pthread_cond_broadcast(&e->done);
+    pthread_cond_broadcast(&e->work);
+}
+
+/* Under e->m, no job current: make node's job current (its helpers started and woken), or
+ * refuse it. */
+static void start_job(tkv_engine *e, tkv_node *node) {
+    tkv_cur *c = (tkv_cur *)calloc(1, sizeof(tkv_cur));
+    if (!c || !tkv_run_init(&c->r, &node->job, &e->m, &e->done)) {
+        tkv_run_refuse(&node->job);
+        free(c);
+        free(node);
         pthread_cond_broadcast(&e->done);
-        pthread_mutex_unlock(&e->m);
         return;
     }
+    c->node = node;
+    const tkv_rows *j = &node->job;
     int64_t want = j->threads - 1 < TKV_MAX_HELPERS ? j->threads - 1 : TKV_MAX_HELPERS;
-    if (r.total < 2) want = 0;
-    while (e->nhelpers < want &&
+    c->may_join = c->r.total < 2 ? 0 : want;
+    while (e->nhelpers < c->may_join &&
            pthread_create(&e->helpers[e->nhelpers], 0, helper, e) == 0)
         e->nhelpers++;
-    e->cur = &r; /* waiters may help with any job; helpers only where the job allows them */
-    e->may_join = want;
-    if (want > 0) {
-        __atomic_add_fetch(&e->gen, 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&e->help);
+    e->cur = c;
+    if (c->r.total == 0) { /* no tokens: nothing to copy, publish at once */
+        tkv_run_publish_locked(&c->r);
+        finalize(e, c);
+        return;
     }
-    pthread_mutex_unlock(&e->m);
-    tkv_run_work(&r);
-    tkv_run_publish(&r); /* a job without units (no tokens) is published here */
-    pthread_mutex_lock(&e->m);
-    e->may_join = 0;
-    while (r.published < r.entries || r.joined > 0) pthread_cond_wait(&e->done, &e->m);
-    e->cur = 0;
-    pthread_cond_broadcast(&e->done); /* a job waiting for its turn may start */
-    pthread_mutex_unlock(&e->m);
-    tkv_run_free(&r);
+    pthread_cond_broadcast(&e->work);
 }
 
-/* Run *job now on the calling thread and the engine's helpers (j->threads - 1 of them), after
- * the job being copied; returns when every status entry is set: 0, or -1 if any was refused. */
-int tkv_engine_run(void *handle, const tkv_rows *job) {
-    tkv_engine *e = (tkv_engine *)handle;
-    if (!job->status) return -1;
-    run_job(e, job);
-    int64_t entries = job->whole || job->nlayers < 1 ? 1 : job->nlayers;
-    for (int64_t k = 0; k < entries; k++)
-        if (__atomic_load_n(&job->status[k], __ATOMIC_ACQUIRE) != 1) return -1;
+/* Under e->m (released while copying): take units of the current job c until none is left or
+ * *status (if given) is set. The last thread out of a job whose units are all taken frees it;
+ * one leaving early leaves it current for the copier. */
+static void work_on(tkv_engine *e, tkv_cur *c, const int64_t *status) {
+    c->r.joined++;
+    pthread_mutex_unlock(&e->m);
+    while (!(status && __atomic_load_n(status, __ATOMIC_ACQUIRE)) && tkv_run_one(&c->r)) {
+    }
+    pthread_mutex_lock(&e->m);
+    c->r.joined--;
+    if (c->r.joined == 0 && !units_left(c)) finalize(e, c);
+    else if (c->r.joined == 0) pthread_cond_broadcast(&e->work); /* the copier takes over */
+}
+
+/* Under e->m: one step of work for a thread that may start queued jobs; 0 if there was none. */
+static int step(tkv_engine *e, const int64_t *status) {
+    if (e->cur && units_left(e->cur)) {
+        work_on(e, e->cur, status);
+        return 1;
+    }
+    if (!e->cur && e->head) {
+        tkv_node *node = e->head;
+        e->head = node->next;
+        if (!e->head) e->tail = 0;
+        start_job(e, node);
+        if (e->cur && e->cur->node == node) work_on(e, e->cur, status);
+        return 1;
+    }
     return 0;
 }
 
-static tkv_node *take(tkv_engine *e) {
-    int64_t until = tkv_now_ns() + e->spin_ns;
-    while (!__atomic_load_n(&e->head, __ATOMIC_ACQUIRE) &&
-           !__atomic_load_n(&e->stopping, __ATOMIC_ACQUIRE) && tkv_now_ns() < until)
-        for (int i = 0; i < 64; i++) TKV_PAUSE();
+static void *helper(void *arg) {
+    tkv_engine *e = (tkv_engine *)arg;
+    lower_priority(e);
     pthread_mutex_lock(&e->m);
-    while (!e->head && !e->stopping) pthread_cond_wait(&e->work, &e->m);
-    tkv_node *node = e->head;
-    if (node) {
-        e->head = node->next;
-        if (!e->head) e->tail = 0;
+    for (;;) {
+        tkv_cur *c = e->cur;
+        if (c && c->may_join > 0 && units_left(c)) {
+            c->may_join--;
+            work_on(e, c, 0);
+            continue;
+        }
+        if (e->stopping) break;
+        pthread_cond_wait(&e->work, &e->m);
     }
     pthread_mutex_unlock(&e->m);
-    return node; /* 0: stopping with an empty queue */
+    return 0;
 }
 
 static void *copier(void *arg) {
     tkv_engine *e = (tkv_engine *)arg;
     lower_priority(e);
+    pthread_mutex_lock(&e->m);
     for (;;) {
-        tkv_node *node = take(e);
-        if (!node) return 0;
-        run_job(e, &node->job);
-        free(node);
+        if (step(e, 0)) continue;
+        if (e->stopping && !e->head && !e->cur) break;
+        /* Spin on an empty queue for spin_ns before sleeping: the next job often follows. */
+        pthread_mutex_unlock(&e->m);
+        int64_t until = tkv_now_ns() + e->spin_ns;
+        while (!__atomic_load_n(&e->head, __ATOMIC_ACQUIRE) &&
+               !__atomic_load_n(&e->stopping, __ATOMIC_ACQUIRE) && tkv_now_ns() < until)
+            for (int i = 0; i < 64; i++) TKV_PAUSE();
+        pthread_mutex_lock(&e->m);
+        if (!e->head && !(e->cur && units_left(e->cur)) && !e->stopping)
+            pthread_cond_wait(&e->work, &e->m);
     }
+    pthread_mutex_unlock(&e->m);
+    return 0;
 }
 
 void *tkv_engine_start(int64_t spin_ns, int64_t nice) {
@@ -180,7 +196,6 @@ void *tkv_engine_start(int64_t spin_ns, int64_t nice) {
     pthread_mutex_init(&e->m, 0);
     pthread_cond_init(&e->work, 0);
     pthread_cond_init(&e->done, 0);
-    pthread_cond_init(&e->help, 0);
     e->spin_ns = spin_ns > 0 ? spin_ns : 0;
     e->nice = nice > 0 ? (int)(nice < 19 ? nice : 19) : 0;
     if (pthread_create(&e->thread, 0, copier, e) != 0) {
@@ -208,53 +223,73 @@ int tkv_engine_submit(void *handle, const tkv_rows *job) {
     if (e->tail) e->tail->next = node;
     else __atomic_store_n(&e->head, node, __ATOMIC_RELEASE);
     e->tail = node;
-    pthread_cond_signal(&e->work);
+    pthread_cond_broadcast(&e->work);
     pthread_mutex_unlock(&e->m);
     return 0;
 }
 
-/* The status entry once it is set: first helping with the job being copied (help != 0), then
- * spinning up to spin_ns, then sleeping; 0 after timeout_ns (< 0: no timeout; the help is not
- * bounded by it, a unit is short). */
+/* Run *job now on the calling thread and the engine's helpers (j->threads - 1 of them), after
+ * every queued job; returns when every status entry is set: 0, or -1 if any was refused. */
+int tkv_engine_run(void *handle, const tkv_rows *job) {
+    tkv_engine *e = (tkv_engine *)handle;
+    if (!job->status) return -1;
+    tkv_node *node = (tkv_node *)malloc(sizeof(tkv_node));
+    if (!node) return -1;
+    node->job = *job;
+    node->next = 0;
+    int64_t entries = job->whole || job->nlayers < 1 ? 1 : job->nlayers;
+    const int64_t *last = &job->status[entries - 1];
+    pthread_mutex_lock(&e->m);
+    while (e->cur || e->head) {
+        if (!step(e, 0)) pthread_cond_wait(&e->done, &e->m); /* help the jobs before it */
+    }
+    start_job(e, node);
+    while (!__atomic_load_n(last, __ATOMIC_ACQUIRE)) {
+        if (e->cur && units_left(e->cur)) work_on(e, e->cur, 0);
+        else pthread_cond_wait(&e->done, &e->m);
+    }
+    pthread_mutex_unlock(&e->m);
+    for (int64_t k = 0; k < entries; k++)
+        if (__atomic_load_n(&job->status[k], __ATOMIC_ACQUIRE) != 1) return -1;
+    return 0;
+}
+
+/* The status entry once it is set: helping (help != 0: running the queue's next job if none is
+ * being copied, else taking units of the current one), spinning up to spin_ns, sleeping until
+ * something is published, and again; 0 after timeout_ns (< 0: no timeout; help is not bounded
+ * by it, a unit is short). */
 int64_t tkv_engine_wait(void *handle, const int64_t *status, int64_t timeout_ns,
                         int64_t spin_ns, int64_t help) {
     tkv_engine *e = (tkv_engine *)handle;
     int64_t v = __atomic_load_n(status, __ATOMIC_ACQUIRE);
     if (v) return v;
     int64_t start = tkv_now_ns();
-    if (help) {
-        pthread_mutex_lock(&e->m);
-        tkv_run *r = e->cur;
-        if (r) r->joined++;
-        pthread_mutex_unlock(&e->m);
-        if (r) {
-            while (!__atomic_load_n(status, __ATOMIC_ACQUIRE) && tkv_run_one(r)) {
-            }
-            pthread_mutex_lock(&e->m);
-            r->joined--;
-            pthread_cond_broadcast(&e->done);
-            pthread_mutex_unlock(&e->m);
-        }
-    }
-    if (timeout_ns >= 0 && spin_ns > timeout_ns) spin_ns = timeout_ns;
-    spin_until(status, 0, spin_ns);
-    v = __atomic_load_n(status, __ATOMIC_ACQUIRE);
-    if (v) return v;
     struct timespec until;
     if (timeout_ns >= 0) {
         clock_gettime(CLOCK_REALTIME, &until);
-        int64_t ns = until.tv_nsec + (timeout_ns - (tkv_now_ns() - start));
-        if (ns < 0) ns = 0;
+        int64_t ns = until.tv_nsec + timeout_ns;
         until.tv_sec += ns / 1000000000LL;
         until.tv_nsec = ns % 1000000000LL;
     }
-    pthread_mutex_lock(&e->m);
-    while (!(v = __atomic_load_n(status, __ATOMIC_ACQUIRE))) {
-        if (timeout_ns < 0) pthread_cond_wait(&e->done, &e->m);
-        else if (pthread_cond_timedwait(&e->done, &e->m, &until) == ETIMEDOUT) break;
+    for (;;) {
+        if (help) {
+            pthread_mutex_lock(&e->m);
+            while (!__atomic_load_n(status, __ATOMIC_ACQUIRE) && step(e, status)) {
+            }
+            pthread_mutex_unlock(&e->m);
+        }
+        int64_t left = timeout_ns < 0 ? spin_ns : timeout_ns - (tkv_now_ns() - start);
+        spin_until(status, 0, left < spin_ns ? left : spin_ns);
+        if ((v = __atomic_load_n(status, __ATOMIC_ACQUIRE))) return v;
+        pthread_mutex_lock(&e->m);
+        int timed_out = 0;
+        if (!__atomic_load_n(status, __ATOMIC_ACQUIRE) && !(help && (e->head || (e->cur && units_left(e->cur))))) {
+            if (timeout_ns < 0) pthread_cond_wait(&e->done, &e->m);
+            else timed_out = pthread_cond_timedwait(&e->done, &e->m, &until) == ETIMEDOUT;
+        }
+        pthread_mutex_unlock(&e->m);
+        if ((v = __atomic_load_n(status, __ATOMIC_ACQUIRE)) || timed_out) return v;
     }
-    pthread_mutex_unlock(&e->m);
-    return v;
 }
 
 /* Run *job on the calling thread alone (no queue); 0, or -1 when any entry was refused. */
@@ -283,7 +318,7 @@ void tkv_engine_stop(void *handle) {
     pthread_mutex_unlock(&e->m);
     pthread_join(e->thread, 0);
     pthread_mutex_lock(&e->m);
-    pthread_cond_broadcast(&e->help);
+    pthread_cond_broadcast(&e->work);
     pthread_mutex_unlock(&e->m);
     for (int i = 0; i < e->nhelpers; i++) pthread_join(e->helpers[i], 0);
 }
@@ -292,7 +327,6 @@ void tkv_engine_free(void *handle) {
     tkv_engine *e = (tkv_engine *)handle;
     pthread_cond_destroy(&e->work);
     pthread_cond_destroy(&e->done);
-    pthread_cond_destroy(&e->help);
     pthread_mutex_destroy(&e->m);
     free(e);
 }

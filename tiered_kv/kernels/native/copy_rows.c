@@ -140,10 +140,10 @@ void tkv_run_free(tkv_run *r) {
     r->bad = 0;
 }
 
-/* Set every status entry whose units are done, in order, once the entries before it are. */
-void tkv_run_publish(tkv_run *r) {
+/* Set every status entry whose units are done, in order, once the entries before it are; the
+ * caller holds r->m (if any). */
+void tkv_run_publish_locked(tkv_run *r) {
     const tkv_rows *j = r->j;
-    if (r->m) pthread_mutex_lock(r->m);
     int64_t now = tkv_now_ns();
     while (r->published < r->entries &&
            __atomic_load_n(&r->done[r->published], __ATOMIC_ACQUIRE) == r->need) {
@@ -154,6 +154,11 @@ void tkv_run_publish(tkv_run *r) {
         r->published++;
     }
     if (r->cv) pthread_cond_broadcast(r->cv);
+}
+
+void tkv_run_publish(tkv_run *r) {
+    if (r->m) pthread_mutex_lock(r->m);
+    tkv_run_publish_locked(r);
     if (r->m) pthread_mutex_unlock(r->m);
 }
 

@@ -52,6 +52,7 @@ int tkv_run_init(tkv_run *r, const tkv_rows *j, pthread_mutex_t *m, pthread_cond
 int tkv_run_one(tkv_run *r);
 void tkv_run_work(tkv_run *r);
 void tkv_run_publish(tkv_run *r);
+void tkv_run_publish_locked(tkv_run *r);
 void tkv_run_refuse(const tkv_rows *j);
 void tkv_run_free(tkv_run *r);
 #endif
