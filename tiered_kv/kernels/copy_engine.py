@@ -137,7 +137,7 @@ def _stop_open() -> None:
 class CopyEngine:
     """One copier thread running :class:`RowJob` s in submission order."""
 
-    def __init__(self, name: str, spin_us: float = 50.0, nice: int = 5) -> None:
+    def __init__(self, name: str, spin_us: float = 50.0, nice: int = 0) -> None:
         self.name = name
         self.lib = lib()
         self.spin_ns = int(spin_us * 1000)
