@@ -183,7 +183,8 @@ static void *copier(void *arg) {
                !__atomic_load_n(&e->stopping, __ATOMIC_ACQUIRE) && tkv_now_ns() < until)
             for (int i = 0; i < 64; i++) TKV_PAUSE();
         pthread_mutex_lock(&e->m);
-        if (!e->head && !(e->cur && units_left(e->cur)) && !e->stopping)
+        /* Sleep unless there is work; stopping, only until the job being finished is freed. */
+        if (!e->head && !(e->cur && units_left(e->cur)) && (!e->stopping || e->cur))
             pthread_cond_wait(&e->work, &e->m);
     }
     pthread_mutex_unlock(&e->m);
