@@ -290,7 +290,7 @@ def print_fixed_cost(args: argparse.Namespace) -> None:
         f"back to back and {after_us:.0f} us right after a 5 ms blocking wait on this machine"
     )
     for warm, title in (
-        (True, "ops back to back (each direction and size in its own run, after one untimed op)"),
+        (True, "ops back to back (each direction and size in its own run, after 5 untimed ops)"),
         (False, "ops interleaved round-robin over directions and sizes (each after another cell)"),
     ):
         costs = measure_fixed_cost(

@@ -11,11 +11,11 @@ worker's contract, the way the cache manager drives it:
 
 Each (direction, page count) keeps its median; a least-squares line through (bytes, median
 seconds), weighted for relative error, gives the fixed cost (intercept) and the streaming rate
-(1 / slope). With ``warm`` the
-ops of one direction and size run back to back (after one untimed op), as an engine issues a
-step's copies; without, cells are interleaved round-robin (``timing.interleave``) and each op
-follows another cell's op: often a blocking wait, or a copy of up to 256 pages that has
-streamed tens of MiB through the caches the interpreter runs from. :func:`idle_penalty`
+(1 / slope). With ``warm`` the ops of one direction and size run back to back (after
+``WARM_OPS`` untimed ones), as an engine issues a step's copies; without, cells are interleaved
+round-robin (``timing.interleave``) and each op follows another cell's op: often a blocking
+wait, or a copy of up to 256 pages that has streamed tens of MiB through the caches the
+interpreter runs from. :func:`idle_penalty`
 measures what a blocking wait alone costs the code run after it on this machine (a control).
 Every op's result must be ok and the loaded / prefetched bytes are compared with their source
 (``verify.fail`` on a mismatch).
@@ -42,6 +42,7 @@ from tiered_kv.storage import SlabStorage, StorageNamespace, page_keys
 from tiered_kv.transfer import DeviceHostTransfer, HostStorageTransfer, TransferJob
 
 PAGE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WARM_OPS = 5  # untimed ops before a cell's timed ones, back to back
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,15 @@ def measure_fixed_cost(
             arms[("h2d", n)] = lambda _r, n=n: device_host(n, True)
             arms[("h2s", n)] = lambda _r, n=n: storage(n, True)
             arms[("s2h", n)] = lambda _r, n=n: storage(n, False)
-        if warm:  # each cell's ops back to back, after one untimed op; prefetches before the
-            # backups, whose fresh pages would evict what the prefetches read
+        if warm:  # each cell's ops back to back after WARM_OPS untimed ones (the cell before
+            # may have streamed 32 MiB through the caches: measured, one op is not enough to
+            # recover); prefetches before the backups, whose fresh pages would evict what the
+            # prefetches read
             order = sorted(arms, key=lambda key: ["d2h", "h2d", "s2h", "h2s"].index(key[0]))
-            got = {key: [arms[key](None) for _ in range(repeats + 1)][1:] for key in order}
+            got = {
+                key: [arms[key](None) for _ in range(repeats + WARM_OPS)][WARM_OPS:]
+                for key in order
+            }
         else:
             got = interleave(arms, repeats, warmup=1)
         _verify(pool, host, decl.layer_ids, src, dst, hst, back, most)
