@@ -282,3 +282,21 @@ def test_run_copies_on_the_calling_thread_with_helpers_and_refuses_bad_jobs(gen)
         engine.close()
     with pytest.raises(StateError, match="closed"):
         engine.run(job)
+
+
+def test_an_engine_dropped_with_jobs_queued_finishes_them_before_its_memory_goes(gen):
+    """Nobody keeps the events or the engine: the jobs (and the tensors they point into) stay
+    alive until copied, and the bytes land; the engine's thread is stopped when collected."""
+    import gc
+
+    pool, alloc, host = _rig(gen, "mha", "page_first", 1, pages=400, host_pages=400)
+    h, d = _pairs(gen, alloc, host, 300)
+    dev0 = device_snapshot(pool)
+    want = expected_device_after_load(dev0, _as_device(pool, host_snapshot(host)), h, d)
+    engine = CopyEngine("dropped", spin_us=0.0)
+    for i in range(30):
+        # fresh index tensors, dropped at once: only the engine keeps them alive
+        engine.submit(host.row_job(pool, h[i::30].clone(), d[i::30].clone(), to_host=False))
+    del engine
+    gc.collect()
+    assert_device_equal(pool, want)

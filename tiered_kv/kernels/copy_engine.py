@@ -21,6 +21,7 @@ import atexit
 import ctypes
 import threading
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -134,21 +135,41 @@ def _stop_open() -> None:
         engine.close()
 
 
+def _release(engine_lib: ctypes.CDLL, box: list) -> None:
+    """An engine dropped without ``close`` (nothing in flight: jobs keep their engine alive):
+    stop its thread and free it."""
+    handle, box[0] = box[0], None
+    if handle:
+        engine_lib.tkv_engine_stop(handle)
+        engine_lib.tkv_engine_free(handle)
+
+
 class CopyEngine:
-    """One copier thread running :class:`RowJob` s in submission order."""
+    """One copier thread running :class:`RowJob` s in submission order.
+
+    The engine keeps every submitted job (its arrays, the tensors it points into, its status
+    entries) until the job is done, whether or not anyone keeps its events: the C side must
+    never read or write memory that was freed."""
 
     def __init__(self, name: str, spin_us: float = 50.0, nice: int = 0) -> None:
         self.name = name
         self.lib = lib()
         self.spin_ns = int(spin_us * 1000)
-        self._handle = self.lib.tkv_engine_start(self.spin_ns, nice)
-        if not self._handle:
+        handle = self.lib.tkv_engine_start(self.spin_ns, nice)
+        if not handle:
             raise BackendUnavailableError(f"copy engine {name!r}: could not start its thread")
+        self._box = [handle]  # shared with the finalizer; None once freed
         self._lock = threading.Lock()
         self._closed = False
         self._stopped = False
         self._waiters = 0
+        self._inflight: deque[_Submitted] = deque()
         _OPEN.add(self)
+        weakref.finalize(self, _release, self.lib, self._box)
+
+    @property
+    def _handle(self) -> int | None:
+        return self._box[0]
 
     def submit(self, job: RowJob) -> list[RowEvent]:
         """Queue ``job``; one event per status entry. Raises StateError once closed."""
@@ -158,6 +179,10 @@ class CopyEngine:
                 self._handle, ctypes.byref(submitted.struct)
             ):
                 raise StateError(f"copy engine {self.name!r} is closed")
+            inflight = self._inflight
+            while inflight and inflight[0].finished() is not None:
+                inflight.popleft()  # done (jobs finish in order): the C side is done with it
+            inflight.append(submitted)
         return [RowEvent(submitted, i) for i in range(job.entries)]
 
     def run(self, job: RowJob) -> None:
@@ -199,8 +224,8 @@ class CopyEngine:
     def _free_if_idle(self) -> None:
         # Under the lock: the engine's memory goes once it has stopped and nobody waits in it.
         if self._stopped and self._waiters == 0 and self._handle:
-            self.lib.tkv_engine_free(self._handle)
-            self._handle = None
+            handle, self._box[0] = self._box[0], None
+            self.lib.tkv_engine_free(handle)
 
     def close(self) -> None:
         """Run every queued job, then stop the thread."""
@@ -211,6 +236,7 @@ class CopyEngine:
         self.lib.tkv_engine_stop(self._handle)
         with self._lock:
             self._stopped = True
+            self._inflight.clear()  # every job is done once the thread has stopped
             self._free_if_idle()
 
 
