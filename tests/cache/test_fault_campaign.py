@@ -19,6 +19,7 @@ Rerun a failure with ``TIERED_KV_CAMPAIGN_SEED=<printed seed>`` (a bigger campai
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -32,7 +33,7 @@ import torch
 from tests.cache.test_facade import Model, make_config
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.facade import Request
-from tiered_kv.errors import StateError
+from tiered_kv.errors import StateError, TransferError
 from tiered_kv.names import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 
 MAX_LIVE = 4
@@ -94,6 +95,33 @@ def break_copies(host, faults: Faults) -> None:
     host.load_to_device_per_layer = load
 
 
+def break_engine_jobs(host, faults: Faults) -> None:
+    """The copy engine's jobs fail at random instead (the copy methods stay the pool's own, so
+    the engine runs them): a write refused whole (nothing copied), a load whose rows are
+    permuted (wrong bytes land in its own destination slots) with one layer refused, so the
+    load fails; building a job raises now and then."""
+    real = host.row_job
+
+    def row_job(pool, host_indices, device_indices, to_host, io_backend="kernel"):
+        job = real(pool, host_indices, device_indices, to_host, io_backend)
+        if job is None:
+            return None
+        draw = faults.roll("engine_job", 1.5 * faults.rate if to_host else faults.rate)
+        if draw is None:
+            return job
+        if draw < 0.2:
+            raise InjectedCopyFault("row_job")
+        if to_host:
+            return dataclasses.replace(job, threads=0)
+        order = job.layers.tolist()
+        order[int(draw * len(order)) % len(order)] = job.shape.total_layers
+        return dataclasses.replace(
+            job, dev_rows=job.dev_rows.flip(0), shape=job.shape.with_layers(order)
+        )
+
+    host.row_job = row_job
+
+
 def store_error(what: str, draw: float) -> Exception:
     return OSError(5, f"injected EIO in {what}") if draw < 0.5 else lmdb.Error(what)
 
@@ -136,10 +164,14 @@ def break_store(store, faults: Faults) -> None:
     store.batch_exists, store.batch_get, store.batch_set = batch_exists, batch_get, batch_set
 
 
-def inject(cache: TieredKVCache, faults: Faults) -> None:
-    """Break this cache's copies and its LMDB store (the one its GuardedStorage wraps, when it
-    has one; then calls into the guard itself raise now and then as well)."""
-    break_copies(cache.host_pool, faults)
+def inject(cache: TieredKVCache, faults: Faults, engine: bool) -> None:
+    """Break this cache's copies (the host pool's copy methods, or with ``engine`` the copy
+    engine's jobs) and its LMDB store (the one its GuardedStorage wraps, when it has one; then
+    calls into the guard itself raise now and then as well)."""
+    if engine:
+        break_engine_jobs(cache.host_pool, faults)
+    else:
+        break_copies(cache.host_pool, faults)
     outer = cache.storage
     inner = getattr(outer, "inner", None)
     break_store(inner if inner is not None else outer, faults)
@@ -170,6 +202,10 @@ class Campaign:
     def __init__(self, tmp_path, seed: int, write_policy: str, prefetch_policy: str) -> None:
         self.rng = random.Random(seed)
         self.faults = Faults(seed, rate=0.1)
+        # Half the seeds break the copy engine's jobs (which the kernel io backend uses), half
+        # the host pool's copy methods.
+        self.engine = seed % 2 == 1
+        io = IOBackend.KERNEL.value if self.engine else self.rng.choice(IOBackend.values())
         self.config = make_config(
             tmp_path,
             device_tokens=192,  # >= MAX_LIVE requests of MAX_PROMPT + MAX_DECODE tokens
@@ -183,7 +219,7 @@ class Campaign:
             prefetch_timeout_max_s=0.01,
             storage_batch_pages=2,
             host_layout=self.rng.choice(HostLayout.values()),
-            io_backend=self.rng.choice(IOBackend.values()),
+            io_backend=io,
         )
         counts = ("begins", "checked", "wrong", "failed_prefix", "forward_failed", "failed_late")
         self.n = dict.fromkeys((*counts, "restarts", "stored_found"), 0)
@@ -196,7 +232,7 @@ class Campaign:
 
     def _open(self) -> TieredKVCache:
         cache = TieredKVCache(self.config)
-        inject(cache, self.faults)
+        inject(cache, self.faults, self.engine)
         probe = cache.manager.probe_storage
 
         def counted(keys):
@@ -212,9 +248,12 @@ class Campaign:
         """Compare ``end`` tokens of the request's KV with the model's; False when the forward
         hit its prefix load's copy error (the caller aborts the request)."""
         req = live.req
+        # What a reader of a failed load hits: the injected error, or (faults in engine jobs)
+        # the engine's refusal of a layer.
+        failed_load = (InjectedCopyFault, TransferError) if self.engine else InjectedCopyFault
         try:
             k, v = self.model.read(req.slots[:end])
-        except InjectedCopyFault:
+        except failed_load:
             self.n["forward_failed"] += 1
             return False
         ek, ev = self.model.expected(req.tokens, 0, end)
@@ -360,7 +399,10 @@ def test_fault_campaign_serves_only_exact_kv(tmp_path, gen, write_policy, prefet
     seed = campaign_seed(gen)
     print(f"fault campaign seed {seed} (TIERED_KV_CAMPAIGN_SEED={seed})")
     c = Campaign(tmp_path, seed, write_policy, prefetch_policy)
-    print(f"host layout {c.config.host.host_layout}, io backend {c.config.host.io_backend}")
+    print(
+        f"host layout {c.config.host.host_layout}, io backend {c.config.host.io_backend}, "
+        f"faults in {'copy-engine jobs' if c.engine else 'the copy methods'}"
+    )
     try:
         for _ in range(OPS):
             c.step()
@@ -378,6 +420,8 @@ def test_fault_campaign_serves_only_exact_kv(tmp_path, gen, write_policy, prefet
         assert c.n["stored_found"] > 0, c.n
     else:
         assert c.tiers["storage"], f"storage was never hit: {c.tiers}"
-    copy_faults = fired.get("backup_from_device", 0) + fired.get("load_to_device", 0)
+    copy_faults = sum(
+        fired.get(p, 0) for p in ("backup_from_device", "load_to_device", "engine_job")
+    )
     store_faults = sum(n for point, n in fired.items() if "batch_" in point)
     assert copy_faults and store_faults, fired
