@@ -24,13 +24,12 @@ from tiered_kv.errors import BackendUnavailableError
 SOURCE = Path(__file__).with_name("native") / "copy_blocks.c"
 _NATIVE = Path(__file__).with_name("native")
 ENGINE_SOURCES = tuple(_NATIVE / n for n in ("copy_engine.c", "copy_rows.c", "index_check.c"))
-ENGINE_HEADERS = (_NATIVE / "copy_rows.h",)
+ENGINE_HEADERS = (_NATIVE / "copy_rows.h", _NATIVE / "copy_row.h")
+BLOCK_HEADERS = (_NATIVE / "copy_row.h",)
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-_engine_lib: ctypes.CDLL | None = None
-_engine_error: str | None = None
+# key -> (library, None) once loaded, or (None, why not) once it failed
+_loaded: dict[str, tuple[ctypes.CDLL | None, str | None]] = {}
 
 
 def cache_dir() -> Path:
@@ -65,63 +64,61 @@ def _build(target: Path, sources: Path | tuple[Path, ...] = SOURCE) -> None:
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file
 
 
-def load() -> ctypes.CDLL | None:
-    """The loaded library, building it if needed; None (with :func:`error`) if impossible."""
-    global _lib, _error
+def _type_copy_blocks(lib: ctypes.CDLL) -> None:
+    fn = lib.tkv_copy_blocks
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    fn.restype = ctypes.c_int
+
+
+def _load(key: str, what: str, files: tuple[Path, ...], setup=None) -> ctypes.CDLL | None:
+    """Library ``key`` (built from ``files``: sources, then headers), loaded once per process;
+    None once it failed (the reason in ``_loaded[key]``)."""
+    done = _loaded.get(key)
+    if done is not None:
+        return done[0]
     with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        try:
-            lib = _built(SOURCE)
-            fn = lib.tkv_copy_blocks
-            fn.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int,
-                ctypes.c_int,
-            ]
-            fn.restype = ctypes.c_int
-            _lib = lib
-        except Exception as exc:  # no compiler, unwritable cache, foreign platform
-            _error = f"native block copier unavailable: {exc}"
-        return _lib
+        done = _loaded.get(key)
+        if done is None:
+            try:
+                lib = _built(tuple(f for f in files if f.suffix == ".c"), files)
+                if setup is not None:
+                    setup(lib)
+                done = (lib, None)
+            except Exception as exc:  # no compiler, unwritable cache, foreign platform
+                done = (None, f"{what} unavailable: {exc}")
+            _loaded[key] = done
+        return done[0]
+
+
+def load() -> ctypes.CDLL | None:
+    """The block copier's library, building it if needed; None (with :func:`error`) if
+    impossible."""
+    return _load("blocks", "native block copier", (SOURCE, *BLOCK_HEADERS), _type_copy_blocks)
 
 
 def error() -> str | None:
     load()
-    return _error
+    return _loaded["blocks"][1]
 
 
-def _built(sources: Path | tuple[Path, ...], headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
-    files = (sources,) if isinstance(sources, Path) else sources
+def _built(sources: tuple[Path, ...], hashed: tuple[Path, ...]) -> ctypes.CDLL:
     h = hashlib.sha256()
-    for f in (*files, *headers):
+    for f in hashed:
         h.update(f.read_bytes())
     digest = h.hexdigest()[:16]
     tag = f"{sys.platform}-{os.uname().machine}" if hasattr(os, "uname") else sys.platform
-    target = cache_dir() / f"{files[0].stem}-{digest}-{tag}.so"
+    target = cache_dir() / f"{sources[0].stem}-{digest}-{tag}.so"
     if not target.exists():
         _build(target, sources)
     return ctypes.CDLL(str(target))
 
 
 def load_engine() -> ctypes.CDLL | None:
-    """The copy engine's library (argument types set by ``kernels.copy_engine``), building it
+    """The copy engine's library (argument types set by ``kernels.engine_lib``), building it
     if needed; None (with :func:`engine_error`) if impossible."""
-    global _engine_lib, _engine_error
-    with _lock:
-        if _engine_lib is not None or _engine_error is not None:
-            return _engine_lib
-        try:
-            _engine_lib = _built(ENGINE_SOURCES, ENGINE_HEADERS)
-        except Exception as exc:  # no compiler, unwritable cache, foreign platform
-            _engine_error = f"native copy engine unavailable: {exc}"
-        return _engine_lib
+    return _load("engine", "native copy engine", (*ENGINE_SOURCES, *ENGINE_HEADERS))
 
 
 def engine_error() -> str | None:
     load_engine()
-    return _engine_error
+    return _loaded["engine"][1]

@@ -8,6 +8,8 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "copy_row.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -20,31 +22,11 @@ typedef struct {
     int nt;
 } tkv_job;
 
-static void tkv_copy_one(char *d, const char *s, int64_t bytes, int nt) {
-#if defined(__SSE2__)
-    if (nt && ((uintptr_t)d & 15) == 0 && (bytes & 63) == 0) {
-        for (int64_t i = 0; i < bytes; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        return;
-    }
-#endif
-    (void)nt;
-    memcpy(d, s, (size_t)bytes);
-}
-
 static void *tkv_run(void *arg) {
     const tkv_job *j = (const tkv_job *)arg;
     for (int64_t i = 0; i < j->n; i++) {
         int64_t bytes = j->sizes ? j->sizes[i] : j->bytes;
-        tkv_copy_one((char *)(intptr_t)j->dst[i], (const char *)(intptr_t)j->src[i], bytes, j->nt);
+        tkv_copy_row((char *)(intptr_t)j->dst[i], (const char *)(intptr_t)j->src[i], bytes, j->nt);
     }
 #if defined(__SSE2__)
     if (j->nt) _mm_sfence(); /* make streamed stores visible before the thread reports done */

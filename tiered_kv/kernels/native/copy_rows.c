@@ -2,6 +2,7 @@
  * bookkeeping that lets several threads take units in order and publish each status entry as
  * soon as it and every entry before it are done. Addresses are computed while copying. */
 #include "copy_rows.h"
+#include "copy_row.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -18,26 +19,6 @@ int64_t tkv_now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static void copy_row(char *d, const char *s, int64_t bytes, int nt) {
-#if defined(__SSE2__)
-    if (nt && ((uintptr_t)d & 15) == 0 && (bytes & 63) == 0) {
-        for (int64_t i = 0; i < bytes; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        return;
-    }
-#endif
-    (void)nt;
-    memcpy(d, s, (size_t)bytes);
 }
 
 /* Tokens [t0, t1) of local layer l; each token's parts in record order (one host record is
@@ -61,8 +42,8 @@ static void copy_tokens(const tkv_rows *j, int64_t l, int64_t t0, int64_t t1) {
             int64_t rb = j->row_bytes[p];
             char *h = rec + j->part_bytes[p];
             char *d = (char *)(intptr_t)bases[p] + row * rb;
-            if (j->to_host) copy_row(h, d, rb, nt);
-            else copy_row(d, h, rb, nt);
+            if (j->to_host) tkv_copy_row(h, d, rb, nt);
+            else tkv_copy_row(d, h, rb, nt);
         }
     }
 }
