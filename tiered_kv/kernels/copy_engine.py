@@ -8,7 +8,9 @@ token's host record offset, the device buffers' base addresses, the row and part
 keeps alive every array and tensor it points into. :class:`CopyEngine` queues jobs on its copier
 thread without the GIL, and each job's completion is one int64 per layer (or one for a whole
 job) that the C side sets after the bytes: :class:`RowEvent` reads and waits on it, in C, with
-the GIL released. ``run_rows`` runs a job on the calling thread instead.
+the GIL released; a thread that waits copies units of the engine's work meanwhile (or runs the
+queued job itself when nothing is being copied). ``CopyEngine.run`` runs a job now on the
+calling thread and the engine's helpers; ``run_rows`` on the calling thread alone.
 
 Handing a job to a Python thread costs ~75 us on a 2-core VM (a queue put, a wake-up, an
 event set and a second wake-up); here a submit is one C call and a copier that has just
