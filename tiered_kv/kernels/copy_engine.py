@@ -48,7 +48,7 @@ class RowEvent:
 
     __slots__ = ("_done", "_index", "_submitted")
 
-    def __init__(self, submitted: _Submitted, index: int) -> None:
+    def __init__(self, submitted: SubmittedJob, index: int) -> None:
         self._submitted = submitted
         self._index = index
         self._done = 0
@@ -76,7 +76,7 @@ class RowEvent:
         self.synchronize()
 
     @property
-    def submitted(self) -> _Submitted:
+    def submitted(self) -> SubmittedJob:
         """The job this event belongs to (``finished`` answers for all of its entries)."""
         return self._submitted
 
@@ -86,7 +86,7 @@ class RowEvent:
         return float(self._submitted.track[self._submitted.job.entries + self._index]) / 1e9
 
 
-class _Submitted:
+class SubmittedJob:
     """A job in the engine: its status entries then durations (``track``), and the job."""
 
     __slots__ = ("engine", "job", "struct", "track", "_base", "_last_seen")
@@ -108,6 +108,10 @@ class _Submitted:
                 return int(self.engine.lib.tkv_status(self._base + 8 * index))
             self._last_seen = True
         return int(self.track[index])
+
+    def is_done(self) -> bool:
+        """Whether every entry is set (never blocks)."""
+        return self.status_of(self.job.entries - 1) != 0
 
     def finished(self) -> tuple[bool, float] | None:
         """(every entry done, total seconds) once the last entry is set, else None."""
@@ -165,7 +169,7 @@ class CopyEngine:
         self._closed = False
         self._stopped = False
         self._waiters = 0
-        self._inflight: deque[_Submitted] = deque()
+        self._inflight: deque[SubmittedJob] = deque()
         _OPEN.add(self)
         weakref.finalize(self, _release, self.lib, self._box)
 
@@ -175,7 +179,7 @@ class CopyEngine:
 
     def submit(self, job: RowJob) -> list[RowEvent]:
         """Queue ``job``; one event per status entry. Raises StateError once closed."""
-        submitted = _Submitted(self, job)
+        submitted = SubmittedJob(self, job)
         with self._lock:
             if self._closed or self.lib.tkv_engine_submit(
                 self._handle, ctypes.byref(submitted.struct)
@@ -191,7 +195,7 @@ class CopyEngine:
         """Copy ``job`` now on the calling thread (GIL released) and up to ``job.threads - 1``
         of the engine's helper threads, after the job being copied. Raises TransferError if
         any entry was refused, StateError once closed."""
-        submitted = _Submitted(self, job)
+        submitted = SubmittedJob(self, job)
         with self._lock:
             if self._closed:
                 raise StateError(f"copy engine {self.name!r} is closed")
@@ -248,6 +252,7 @@ __all__ = [
     "RowEvent",
     "RowJob",
     "RowShape",
+    "SubmittedJob",
     "available",
     "engine_threads",
     "run_rows",

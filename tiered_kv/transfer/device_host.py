@@ -28,7 +28,7 @@ import torch
 from tiered_kv._checks import check_index_tensor
 from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.kernels.copy_engine import CopyEngine, RowEvent, RowJob
+from tiered_kv.kernels.copy_engine import CopyEngine, RowEvent, RowJob, SubmittedJob
 from tiered_kv.names import Direction, IOBackend, JobId, parse
 from tiered_kv.transfer.base import HostCopies, TransferJob, TransferResult, TransferWorker
 from tiered_kv.transfer.layer_done import LayerDoneCounter
@@ -44,6 +44,7 @@ class _Copy:
     events: list[CopyEvent]  # one (write) or one per layer (load)
     nbytes: int
     slot: int | None = None  # the layer-done counter slot of a load
+    group: SubmittedJob | None = None  # the engine job all the events belong to, if one
 
 
 class DeviceHostTransfer(TransferWorker):
@@ -125,7 +126,9 @@ class DeviceHostTransfer(TransferWorker):
                 host.backup_from_device_all_layer(pool, job.host_indices, job.device_indices, io)
 
             events = [self.write_stream.submit(run, after)]
-        copy = _Copy(job, events, len(job.host_indices) * self._token_bytes)
+        copy = _Copy(
+            job, events, len(job.host_indices) * self._token_bytes, None, _group_of(events)
+        )
         self._writes.append(copy)
         return copy
 
@@ -151,8 +154,9 @@ class DeviceHostTransfer(TransferWorker):
         events = self._engine_events(job, len(layer_ids))
         if events is None:
             events = self.load_stream.submit_layers(run, len(layer_ids))
-        counter.record_all(slot, events)
-        copy = _Copy(job, events, len(job.host_indices) * self._token_bytes, slot)
+        group = _group_of(events)
+        counter.record_all(slot, events, None if group is None else group.is_done)
+        copy = _Copy(job, events, len(job.host_indices) * self._token_bytes, slot, group)
         self._loads.append(copy)
         self._slot_job[slot] = copy
         counter.set_consumer(slot)
@@ -196,11 +200,8 @@ class DeviceHostTransfer(TransferWorker):
         return out
 
     def _finish(self, copy: _Copy) -> TransferResult:
-        first = copy.events[0]
-        summary = first.submitted.finished() if isinstance(first, RowEvent) else None
-        if summary is not None and all(
-            isinstance(e, RowEvent) and e.submitted is first.submitted for e in copy.events
-        ):
+        summary = copy.group.finished() if copy.group is not None else None
+        if summary is not None:
             ok, seconds = summary  # one engine job: its entries read at once
         else:
             ok = all(_done_or_failed(e) for e in copy.events)
@@ -222,9 +223,12 @@ class DeviceHostTransfer(TransferWorker):
         ids = list(self._by_id) if job_ids is None else list(job_ids)
         for job_id in ids:
             copy = self._by_id.get(job_id)
+            if copy is None:
+                continue
             # Last layer first: layers finish in order, so the rest are done by then (one
-            # wake-up per job, not one per layer).
-            for e in reversed(copy.events) if copy is not None else ():
+            # wake-up per job, not one per layer); one engine job's are all done then.
+            _done_or_failed(copy.events[-1])
+            for e in reversed(copy.events[:-1]) if copy.group is None else ():
                 _done_or_failed(e)
         return True
 
@@ -243,6 +247,15 @@ class DeviceHostTransfer(TransferWorker):
             engine.close()
         if self.device_pool.layer_transfer_counter is self.layer_done_counter:
             self.device_pool.register_layer_transfer_counter(None)
+
+
+def _group_of(events: list[CopyEvent]) -> SubmittedJob | None:
+    """The engine job every one of ``events`` belongs to, or None."""
+    first = events[0] if events else None
+    if not isinstance(first, RowEvent):
+        return None
+    group = first.submitted
+    return group if len(events) == group.job.entries else None
 
 
 def _done_or_failed(event: CopyEvent) -> bool:

@@ -12,6 +12,7 @@ taking a slot whose copies have not all finished is an error, not a silent overw
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from tiered_kv._checks import check_positive_int
 from tiered_kv.errors import InvalidArgumentError, StateError
@@ -23,6 +24,8 @@ class LayerDoneCounter:
         self.num_layers = check_positive_int("num_layers", num_layers)
         self.num_slots = check_positive_int("num_slots", num_slots)
         self._events: list[list[CopyEvent | None]] = [[None] * num_layers for _ in range(num_slots)]
+        # per slot, when its events came as one group: a call saying whether all are done
+        self._all_done: list[Callable[[], bool] | None] = [None] * num_slots
         self._producer = -1
         self._consumer: int | None = None
         self._lock = threading.Lock()
@@ -38,6 +41,9 @@ class LayerDoneCounter:
     def slot_done(self, slot: int) -> bool:
         """Whether every layer event recorded in ``slot`` has completed (never blocks)."""
         self._check_slot(slot)
+        all_done = self._all_done[slot]
+        if all_done is not None:
+            return all_done()
         return all(e is None or e.query() for e in self._events[slot])
 
     def next_producer(self) -> int:
@@ -65,6 +71,7 @@ class LayerDoneCounter:
                     f"{self.num_slots}th batch after it"
                 )
             self._events[slot] = [None] * self.num_layers
+            self._all_done[slot] = None
             self._producer = slot
             return slot
 
@@ -73,15 +80,23 @@ class LayerDoneCounter:
         self._check_slot(slot)
         self._check_layer(layer)
         self._events[slot][layer] = event
+        self._all_done[slot] = None
 
-    def record_all(self, slot: int, events: list[CopyEvent]) -> None:
-        """One event per local layer, in layer order (``record`` for each, in one step)."""
+    def record_all(
+        self,
+        slot: int,
+        events: list[CopyEvent],
+        all_done: Callable[[], bool] | None = None,
+    ) -> None:
+        """One event per local layer, in layer order (``record`` for each, in one step);
+        ``all_done`` (optional) answers "are they all done" at once, for events of one job."""
         self._check_slot(slot)
         if len(events) != self.num_layers:
             raise InvalidArgumentError(
                 f"{len(events)} events for {self.num_layers} layers; record one per layer"
             )
         self._events[slot] = list(events)
+        self._all_done[slot] = all_done
 
     def set_consumer(self, slot: int | None) -> None:
         """The slot whose loads the next forward pass reads (None: read without waiting)."""
