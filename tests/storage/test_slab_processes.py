@@ -105,10 +105,10 @@ def _mp_keys(ns, writer: int):
     return [raw_key(ns, f"writer{writer}-{i}") for i in range(MP_PAGES)]
 
 
-def _mp_writer(path: str, writer: int, result, start) -> None:
+def _mp_writer(path: str, writer: int, result, step) -> None:
     ns = byte_namespace(MP_NBYTES)
     store = SlabStorage(path, ns, MP_NBYTES, budget_bytes=MP_BUDGET)
-    start.wait(60)  # both open: they write at the same time
+    step.wait(60)  # both open: they write at the same time
     mine, theirs = _mp_keys(ns, writer), _mp_keys(ns, 1 - writer)
     src, out = ByteSource(MP_NBYTES, 8), ByteSource(MP_NBYTES, 8)
     stored = wrong = served = 0
@@ -116,7 +116,12 @@ def _mp_writer(path: str, writer: int, result, start) -> None:
         keys = mine[start : start + 8]
         fill_for_keys(src, keys, range(8))
         stored += sum(store.batch_set(keys, src, list(range(8))))
-        recent = theirs[max(0, start - 16) : start + 8]  # what the other may have just written
+        # In step: each batch is written by both before either reads the other's (on a busy
+        # 2-core machine one process could otherwise run through before the other starts,
+        # and find none of the other's pages: they were evicted at the budget, or not yet
+        # written). The writes of one batch still race each other.
+        step.wait(60)
+        recent = theirs[max(0, start - 16) : start + 8]  # what the other has just written
         for part in (recent[:8], recent[8:16], recent[16:]):
             got = store.batch_get(part, out, list(range(len(part))))
             for i, k in enumerate(part):
