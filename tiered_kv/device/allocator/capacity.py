@@ -18,9 +18,7 @@ class CapacityHooks:
 
     page_size: int
     sizing: AllocSizingConfig
-
-    def available_size(self) -> int:
-        raise NotImplementedError
+    available_size: Callable[[], int]  # free tokens: the allocator this is mixed into has it
 
     def request_slot_reserve(self) -> int:
         """Slots to keep per running request beyond its prefill: the per-step decode reserve
