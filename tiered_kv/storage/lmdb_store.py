@@ -28,7 +28,8 @@ import lmdb
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import lmdb_env, value_format
-from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats, page_rows
+from tiered_kv.storage.booked_store import BookedStorage
+from tiered_kv.storage.contract import PageSource, StorageStats, page_rows
 from tiered_kv.storage.io_threads import check_io_threads, ordered_map, split_map
 from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.lmdb_books import Books
@@ -43,7 +44,7 @@ READER_CHECK_S = 1.0  # a reader killed in any process stops others' writes at m
 _FILL = 3 / 4
 
 
-class LMDBStorage(PageStorage):
+class LMDBStorage(BookedStorage):
     """``path``: the store directory; ``budget_bytes``: the most disk it may use (the map never
     grows past it). Options are described in ``docs/storage_tier.md``: ``durable`` (fsync every
     commit), ``writemap`` (values straight into the reserved shared map), ``hugepages`` (huge-page
@@ -206,24 +207,15 @@ class LMDBStorage(PageStorage):
         return False
 
     # -- the contract -------------------------------------------------------------------------
-    @lmdb_env.absorbs_lmdb_errors(lambda store, keys: 0)
-    def batch_exists(self, keys: Sequence[bytes]) -> int:
-        keys = self._check_keys(keys)
-        with self._lock:
-            if not self._intact():
-                return 0
-            return self._read(lambda txn: self._books.leading_present(txn, keys))
-
     @lmdb_env.absorbs_lmdb_errors(lambda store, keys, *rest: [False] * len(keys))
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
-        if not self._intact():
-            self._stats.gets += len(keys)
-            self._stats.misses += len(keys)
-            return [False] * len(keys)
+        moved = self._misses_if_moved(keys)
+        if moved is not None:
+            return moved
         out: list[bool] = []
         bad: list[bytes] = []
         zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))

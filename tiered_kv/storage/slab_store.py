@@ -29,7 +29,8 @@ import lmdb
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import lmdb_env, map_file, value_format
-from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats, page_rows
+from tiered_kv.storage.booked_store import BookedStorage
+from tiered_kv.storage.contract import PageSource, StorageStats, page_rows
 from tiered_kv.storage.io_threads import check_io_threads, shared_map
 from tiered_kv.storage.keys import FINGERPRINT_BYTES, StorageNamespace
 from tiered_kv.storage.slab_alloc import SlabAllocator
@@ -49,7 +50,7 @@ def min_budget(page_nbytes: int) -> int:
     return BASE_COST + 4 * (slot_bytes_for(page_nbytes) + ENTRY_COST)
 
 
-class SlabStorage(PageStorage):
+class SlabStorage(BookedStorage):
     """``path``: the store directory; ``budget_bytes``: the most disk it may use (index, slabs
     and lock file together). ``durable``: fsync the slab before each commit, and the commit;
     ``io_threads``: threads that write or read and hash pages at once; ``hugepages`` is accepted
@@ -126,24 +127,15 @@ class SlabStorage(PageStorage):
         return False
 
     # -- the contract -------------------------------------------------------------------------
-    @lmdb_env.absorbs_lmdb_errors(lambda store, keys: 0)
-    def batch_exists(self, keys: Sequence[bytes]) -> int:
-        keys = self._check_keys(keys)
-        with self._lock:
-            if not self._intact():
-                return 0
-            return self._read(lambda txn: self._books.leading_present(txn, keys))
-
     @lmdb_env.absorbs_lmdb_errors(lambda store, keys, *rest: [False] * len(keys))
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
-        if not self._intact():
-            self._stats.gets += len(keys)
-            self._stats.misses += len(keys)
-            return [False] * len(keys)
+        moved = self._misses_if_moved(keys)
+        if moved is not None:
+            return moved
         zero_copy = bool(getattr(source, "page_bytes_zero_copy", False))
         rows = page_rows(source)
         fp = self.namespace.fingerprint
