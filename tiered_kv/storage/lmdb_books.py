@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from tiered_kv.storage import value_format
+from tiered_kv.storage import lmdb_env, value_format
 from tiered_kv.storage.lmdb_env import record_cost
 
 _U64 = struct.Struct("<Q")
@@ -56,12 +56,7 @@ class Books:
 
     def leading_present(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, have a page (a header) in the store."""
-        n = 0
-        for key in keys:
-            if txn.get(key, db=self.headers) is None:
-                break
-            n += 1
-        return n
+        return lmdb_env.leading_present(txn, self.headers, keys)
 
     def remove_prefix(self, txn: lmdb.Transaction, prefix: bytes) -> int:
         """Remove every page whose key starts with ``prefix`` (a namespace); returns how many."""

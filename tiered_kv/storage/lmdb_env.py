@@ -24,6 +24,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,3 +228,13 @@ def absorbs_lmdb_errors(miss):
         return call
 
     return wrap
+
+
+def leading_present(txn: lmdb.Transaction, db, keys: Sequence[bytes]) -> int:
+    """How many of ``keys``, from the first, are in database ``db``."""
+    n = 0
+    for key in keys:
+        if txn.get(key, db=db) is None:
+            break
+        n += 1
+    return n

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import lmdb
 import xxhash
 
-from tiered_kv.storage import value_format
+from tiered_kv.storage import lmdb_env, value_format
 from tiered_kv.storage.keys import FINGERPRINT_BYTES
 
 ENTRY_COST = 1024
@@ -137,12 +137,8 @@ class SlabBooks:
         return None if raw is None else unpack_value(key, raw)
 
     def leading_present(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if txn.get(key, db=self.headers) is None:
-                break
-            n += 1
-        return n
+        """How many of ``keys``, from the first, have a page (a header) in the store."""
+        return lmdb_env.leading_present(txn, self.headers, keys)
 
     def insert(self, txn: lmdb.Transaction, key: bytes, header_of, slot: int) -> None:
         """Map a new page to ``slot`` (header ``header_of(tick)``), newest in the LRU."""
