@@ -46,3 +46,30 @@ def test_exit_without_close_keeps_the_exit_status(tmp_path, storage, status):
     )
     assert proc.returncode == status, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
+
+
+# Registered before the cache exists, so it runs after the cache's own exit hooks (last
+# registered, first run): by then no tiered-kv thread may still be running Python or torch code.
+# (The abort itself is a race that a run hits ~3% of the time; the live threads are certain.)
+THREADS_AT_EXIT = """
+import atexit, sys, threading
+def report():
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("tiered-kv"))
+    sys.stderr.write("ALIVE " + ",".join(alive) + "\\n")
+atexit.register(report)
+""" + SCRIPT
+
+
+@pytest.mark.parametrize("storage", [False, True])
+def test_no_tiered_kv_thread_outlives_the_exit_hooks(tmp_path, storage):
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS_AT_EXIT.format(storage=storage, status=0)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [s for s in proc.stderr.splitlines() if s.startswith("ALIVE")]
+    assert line == ["ALIVE "], proc.stderr[-2000:]

@@ -7,6 +7,7 @@ Data is random bits everywhere and every comparison is bit-exact.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -232,6 +233,32 @@ def test_cancel_before_the_job_runs(store_rig, gen):
     finally:
         gate.set()
         ctl.close()
+
+
+def test_close_with_a_timeout_cancels_what_a_hung_store_holds_up(store_rig, gen):
+    """close(timeout_s) (what the exit hook calls) returns by its deadline when the store hangs:
+    the queued jobs are cancelled and nothing of theirs is written, the held job's batch in
+    progress still completes once the store answers."""
+    host, store = store_rig
+    gate = threading.Event()
+    blocking = FlakyStorage(store, gate=gate)
+    ctl = HostStorageTransfer(host, blocking, batch_pages=1)
+    res = Results(ctl)
+    keys = keys_for(host, 4, gen)
+    _, slots = host_pages(host, 4, gen)
+    assert res.submit(TransferJob.backup(1, keys[:2], slots[: 2 * P]))
+    assert res.submit(TransferJob.backup(2, keys[2:], slots[2 * P :]))
+    assert blocking.entered.wait(10.0)
+    start = time.monotonic()
+    assert ctl.close(timeout_s=0.3) is False  # the backup thread is still inside the store
+    assert time.monotonic() - start < 5.0
+    assert not ctl.submit(TransferJob.backup(3, keys[:1], slots[:P]))  # closed
+    gate.set()
+    assert ctl.close(timeout_s=10.0) is True
+    held, queued = res.result(1), res.result(2)
+    assert held.pages_done == 1 and held.ok is False and held.error is None  # cancelled after 1
+    assert queued.pages_done == 0 and queued.ok is False
+    assert store.batch_exists(keys[:2]) == 1 and store.batch_exists(keys[2:]) == 0
 
 
 def test_storage_argument_checks(gen):

@@ -17,9 +17,11 @@ then run concurrently, which no job depends on (each has its own keys and host p
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -34,6 +36,30 @@ from tiered_kv.transfer.base import HostPages, TransferJob, TransferResult, Tran
 from tiered_kv.transfer.stats import TransferStats
 
 _CPU = torch.device("cpu")
+
+# Workers their owner did not close are closed at interpreter exit, before Python freezes its
+# daemon threads: a thread frozen while inside torch makes the process abort ("terminate called
+# without an active exception") instead of exiting with its own status. Their submitted jobs get
+# EXIT_WAIT_S to finish; a store that hangs past that cannot hold the exit.
+EXIT_WAIT_S = 30.0
+_OPEN: weakref.WeakSet[HostStorageTransfer] = weakref.WeakSet()
+_registered = False
+
+
+def _close_open_workers() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for worker in list(_OPEN):
+        worker.close(timeout_s=max(0.0, deadline - time.monotonic()))
+
+
+def _track(worker: HostStorageTransfer) -> None:
+    global _registered
+    # Registered on first use, after the copy engine's own exit hook (imported with the host
+    # pool): exit hooks run last-registered first, so these threads stop while engines still run.
+    if not _registered:
+        atexit.register(_close_open_workers)
+        _registered = True
+    _OPEN.add(worker)
 
 
 @dataclass
@@ -86,6 +112,7 @@ class HostStorageTransfer(TransferWorker):
         ]
         for t in self._threads:
             t.start()
+        _track(self)
 
     # -- the contract ---------------------------------------------------------------------------
     def submit(self, job: TransferJob) -> bool:
@@ -162,16 +189,26 @@ class HostStorageTransfer(TransferWorker):
         with self._lock:
             return len(self._by_id)
 
-    def close(self) -> None:
-        """Finish what was submitted, then stop the threads."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish what was submitted, then stop the threads. With ``timeout_s``, jobs not done
+        by then are cancelled (each stops after its batch in progress, its results stay
+        valid); returns whether the threads had stopped by the deadline."""
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-        for q in self._queues.values():
-            q.put(None)
+        if first:
+            for q in self._queues.values():
+                q.put(None)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            with self._lock:
+                for copy in self._by_id.values():
+                    copy.cancelled = True
+            for t in self._threads:
+                t.join(1.0)
+        return not any(t.is_alive() for t in self._threads)
 
     # -- the threads ----------------------------------------------------------------------------
     def _claim(self, copy: _StorageCopy) -> bool:
