@@ -8,6 +8,7 @@ other layers land) and in every call into the LMDB store (raising OSError or lmd
 failing part of a batch and scribbling on the host pages it reports unread), with slow loads and
 reads so that later requests find copies in flight.
 
+Some requests are begun together (``begin_many``: their host hits load as one job).
 Every served prefix is read back through the device pool's buffer getters (most of the time
 right after ``begin``, always after ``prepare_forward``, and the whole sequence before
 ``finish``) and compared, bit for bit, with the KV the stand-in model gave those tokens. A fault
@@ -32,7 +33,7 @@ import torch
 
 from tests.cache.test_facade import Model, make_config
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.cache.facade import Request
+from tiered_kv.cache.request import Request
 from tiered_kv.errors import StateError, TransferError
 from tiered_kv.names import HostLayout, IOBackend, PrefetchPolicy, WritePolicy
 
@@ -221,7 +222,15 @@ class Campaign:
             host_layout=self.rng.choice(HostLayout.values()),
             io_backend=io,
         )
-        counts = ("begins", "checked", "wrong", "failed_prefix", "forward_failed", "failed_late")
+        counts = (
+            "begins",
+            "batched",
+            "checked",
+            "wrong",
+            "failed_prefix",
+            "forward_failed",
+            "failed_late",
+        )
         self.n = dict.fromkeys((*counts, "restarts", "stored_found"), 0)
         self.cache = self._open()
         self.model = Model(self.cache, torch.Generator().manual_seed(seed))
@@ -282,7 +291,26 @@ class Campaign:
         return prompt
 
     def begin(self, prompt: list[int]) -> None:
-        req = self.cache.begin(prompt)
+        live = self.begun(self.cache.begin(prompt), prompt)
+        if self.rng.random() < 0.6 and not self.check(live, live.req.prefix_len, "after begin"):
+            self.retry(live)
+
+    def begin_batch(self, prompts: list[list[int]]) -> None:
+        """Requests whose forward runs together: their host hits load as one job, the layer
+        waits follow it. All are read before any is begun again (a retry moves the waits)."""
+        reqs = self.cache.begin_many(prompts)
+        self.n["batched"] += len(reqs)
+        lives = [self.begun(req, p) for req, p in zip(reqs, prompts, strict=True)]
+        failed = [
+            live
+            for live in lives
+            if self.rng.random() < 0.6
+            and not self.check(live, live.req.prefix_len, "after begin_many")
+        ]
+        for live in failed:
+            self.retry(live)
+
+    def begun(self, req: Request, prompt: list[int]) -> Live:
         h = req.hits
         assert h.device + h.host + h.storage + h.missed == len(prompt) and h.missed >= 1, h
         assert req.tokens == prompt[: req.prefix_len] and len(req.slots) == req.prefix_len
@@ -291,8 +319,7 @@ class Campaign:
             self.tiers[t] += getattr(h, t)
         live = Live(req, prompt, self.rng.randint(0, MAX_DECODE))
         self.live.append(live)
-        if self.rng.random() < 0.6 and not self.check(live, req.prefix_len, "after begin"):
-            self.retry(live)
+        return live
 
     def retry(self, live: Live) -> None:
         """The forward failed on the request's prefix: abort it and begin it again."""
@@ -342,7 +369,11 @@ class Campaign:
         rng, cache = self.rng, self.cache
         r = rng.random()
         if r < 0.2 and len(self.live) < MAX_LIVE:
-            self.begin(self.new_prompt())
+            room = MAX_LIVE - len(self.live)
+            if room > 1 and rng.random() < 0.3:
+                self.begin_batch([self.new_prompt() for _ in range(rng.randint(2, room))])
+            else:
+                self.begin(self.new_prompt())
         elif r < 0.85 and self.live:
             live = rng.choice(self.live)
             if rng.random() < 0.04:
@@ -412,7 +443,7 @@ def test_fault_campaign_serves_only_exact_kv(tmp_path, gen, write_policy, prefet
     fired = c.faults.fired
     print(f"ops {OPS}, {c.n}, tier hits {c.tiers}, faults {fired}")
     assert c.n["wrong"] == 0, c.first_wrong
-    assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20, c.n
+    assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20 and c.n["batched"], c.n
     assert c.tiers["device"] and c.tiers["host"], f"a tier was never hit: {c.tiers}"
     if prefetch_policy == PrefetchPolicy.BEST_EFFORT:
         # begin never waits: a prefetch mostly loses the race with its own cancel (by design);

@@ -1,7 +1,8 @@
 """The cache: the manager that turns tree decisions into frees and transfer jobs, the request
 lifecycle, the ``TieredKVCache`` facade, its builder and its metrics."""
 
-from tiered_kv.cache.facade import Request, TieredKVCache
+from tiered_kv.cache.facade import TieredKVCache
 from tiered_kv.cache.manager import CacheManager, PrefixMatch
+from tiered_kv.cache.request import Request
 
 __all__ = ["CacheManager", "PrefixMatch", "Request", "TieredKVCache"]

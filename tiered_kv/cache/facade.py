@@ -18,23 +18,20 @@ compute, so the model has a position to produce logits from.
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from tiered_kv.cache import lifecycle
 from tiered_kv.cache.build import build_cache_parts
-from tiered_kv.cache.lifecycle import PrefixGrant
-from tiered_kv.cache.metrics import RequestHits, prometheus_text
+from tiered_kv.cache.metrics import prometheus_text
+from tiered_kv.cache.request import Request, token_ids
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import PrefetchPolicy
-from tiered_kv.tree.node import TreeNode
 
 
 def _serialized(method):
@@ -48,25 +45,6 @@ def _serialized(method):
             return method(self, *args, **kwargs)
 
     return call
-
-
-@dataclass
-class Request:
-    tokens: list[int]  # tokens whose KV this request holds or is computing
-    kv: RequestKV
-    slots: torch.Tensor  # device slot per token in ``tokens``
-    prefix_len: int
-    hits: RequestHits
-    node: TreeNode  # deepest tree node locked for this request
-    load_slot: int | None = None  # layer-done counter slot of its host -> device load
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
-    grant: PrefixGrant | None = None
-    owner: object = None  # the cache that began it (a request is only ever its cache's)
-
-    @property
-    def row(self) -> int:
-        return self.kv.req_pool_idx
 
 
 class TieredKVCache:
@@ -99,11 +77,70 @@ class TieredKVCache:
         storage hits to host (per the prefetch policy) and host hits to the device (layer by
         layer), lock that prefix and give the request a row."""
         self._check_open()
-        tokens = _token_ids(tokens)
+        req = self._begin_one(self._prompt(tokens))
+        self.hits.add(req.hits)
+        if self.device_host is not None:
+            # The layer waits follow this request: its own load, the one in flight its prefix
+            # shares, or none (not an earlier request's, failed or not); an earlier-begun
+            # request's forward calls prepare_forward first.
+            self.device_host.layer_done_counter.set_consumer(req.load_slot)
+        return req
+
+    @_serialized
+    def begin_many(self, prompts) -> list[Request]:
+        """``begin`` for a batch whose forward runs together: the host hits of all of them
+        are loaded back as one layer-wise job (one plan, one wait per layer for the whole
+        batch), and the layer waits follow that batch. Every prompt and the free request rows
+        are checked before anything changes."""
+        self._check_open()
+        prompts = [self._prompt(t) for t in prompts]
+        if not prompts:
+            return []
+        self._check_rows(len(prompts))
+        reqs: list[Request] = []
+        batch = self.manager.load_batch
+        batch.open()
+        try:
+            for tokens in prompts:
+                reqs.append(self._begin_one(tokens))
+            if not batch.flush():
+                # Refused (a closed worker): as in ``begin``, the host parts become misses.
+                self.manager.poll()
+                for i, r in enumerate(reqs):
+                    if self.manager.holds_stale(r.node):
+                        self.abort(r)
+                        reqs[i] = self._begin_one(prompts[i])
+        except BaseException:
+            try:
+                if batch.is_open:
+                    batch.flush()  # what was set up is submitted (or failed), then released
+            finally:
+                for r in reqs:
+                    if not r.finished:
+                        self.abort(r)
+            raise
+        for r in reqs:
+            self.hits.add(r.hits)
+        self._follow(reqs)
+        return reqs
+
+    def _prompt(self, tokens) -> list[int]:
+        tokens = token_ids(tokens)
         if not tokens or len(tokens) > self.config.device.max_context_len:
             raise InvalidArgumentError(
                 f"prompt of {len(tokens)} tokens; need 1..{self.config.device.max_context_len}"
             )
+        return tokens
+
+    def _check_rows(self, n: int) -> None:
+        free = self.req_to_token.available_size()
+        if n > free:
+            raise StateError(
+                f"{n} requests need {n} request rows; {free} of "
+                f"{self.config.device.max_requests} are free"
+            )
+
+    def _begin_one(self, tokens: list[int]) -> Request:
         kv = RequestKV()
         if self.req_to_token.alloc([kv]) is None:
             raise StateError(f"all {self.config.device.max_requests} request rows are in use")
@@ -128,33 +165,38 @@ class TieredKVCache:
                 (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)
             )
         kv.kv_allocated_len = prefix
-        if self.device_host is not None:
-            # The layer waits follow this request: its own load, the one in flight its prefix
-            # shares, or none (not an earlier request's, failed or not); an earlier-begun
-            # request's forward calls prepare_forward first.
-            self.device_host.layer_done_counter.set_consumer(grant.load_slot)
-        self.hits.add(grant.hits)
         return req
 
     @_serialized
-    def prepare_forward(self, req: Request) -> None:
-        """Make the device pool's per-layer waits follow ``req``'s host -> device load.
-        ``begin`` does this for the request it starts; call it before the forward pass of an
-        earlier-begun request when several requests are begun before their forwards run.
-        Raises StateError when ``req``'s prefix load failed (abort the request: its prefix
-        slots do not hold its KV)."""
-        self._check_live(req)
+    def prepare_forward(self, req: Request | list[Request]) -> None:
+        """Make the device pool's per-layer waits follow the host -> device loads of ``req``
+        (one request, or the list whose forward runs together). ``begin`` and ``begin_many``
+        do this for what they start; call it before the forward pass of earlier-begun
+        requests when several are begun before their forwards run. Raises StateError when a
+        request's prefix load failed (abort it: its prefix slots do not hold its KV)."""
+        reqs = req if isinstance(req, list) else [req]
+        if not reqs:
+            raise InvalidArgumentError("prepare_forward needs a request or a non-empty list")
+        for r in reqs:
+            self._check_live(r)
         self.manager.poll()
-        if self.manager.holds_stale(req.node):
-            raise StateError(
-                "the host -> device load of this request's prefix failed; abort it (its "
-                "prefix slots do not hold its KV) and begin it again"
-            )
-        if self.device_host is not None:
-            # The newest load still in flight into req's path (None when all have landed): the
-            # slot begin saw may have been reused by a later load since, failed or not.
-            req.load_slot = self.manager.load_slot(req.node)
-            self.device_host.layer_done_counter.set_consumer(req.load_slot)
+        for r in reqs:
+            if self.manager.holds_stale(r.node):
+                raise StateError(
+                    f"the host -> device load of this request's prefix failed (request row "
+                    f"{r.row}); abort it (its prefix slots do not hold its KV) and begin it again"
+                )
+        self._follow(reqs)
+
+    def _follow(self, reqs: list[Request]) -> None:
+        if self.device_host is None:
+            return
+        # The newest load still in flight into any of the paths (None when all have landed):
+        # the slot begin saw may have been reused by a later load since, failed or not.
+        for r in reqs:
+            r.load_slot = self.manager.load_slot(r.node)
+        slot = self.manager.load_slot_of([r.node for r in reqs])
+        self.device_host.layer_done_counter.set_consumer(slot)
 
     def _prefetch_wait(self, tokens: int) -> float | None:
         policy = self.config.policies.prefetch_policy
@@ -179,7 +221,7 @@ class TieredKVCache:
         """Device slots for ``tokens`` appended to ``req`` (evicting unlocked device pages if
         needed). Raises StateError when the device cannot hold them."""
         self._check_live(req)
-        tokens = _token_ids(tokens)
+        tokens = token_ids(tokens)
         n = len(tokens)
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
@@ -337,21 +379,3 @@ class TieredKVCache:
                     worker.close()
             if self.storage is not None:
                 self.storage.close()
-
-
-MAX_TOKEN_ID = 0xFFFFFFFF  # page keys hash token ids as uint32
-
-
-def _token_ids(tokens) -> list[int]:
-    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor),
-    each in ``0..MAX_TOKEN_ID``; checked here, once, for every path (before anything changes)."""
-    try:
-        ids = [operator.index(t) for t in tokens]
-    except TypeError as exc:
-        raise InvalidArgumentError(f"tokens must be integer ids: {exc}") from None
-    bad = [t for t in ids if not 0 <= t <= MAX_TOKEN_ID]
-    if bad:
-        raise InvalidArgumentError(
-            f"token ids {bad[:8]} are outside 0..{MAX_TOKEN_ID} (uint32); nothing was changed"
-        )
-    return ids

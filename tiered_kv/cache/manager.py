@@ -24,6 +24,7 @@ from tiered_kv.cache.eviction import Evictor
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe
 from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
 from tiered_kv.cache.jobs import Job, JobTable
+from tiered_kv.cache.load_batch import LoadBatch
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.prefetch import Prefetcher
 from tiered_kv.errors import IntegrityError, InvalidArgumentError
@@ -84,6 +85,7 @@ class CacheManager:
         self.metrics = metrics if metrics is not None else CacheMetrics()
         self.page_size = tree.page_size
         self.jobs = JobTable(device_host, host_storage, self.metrics)
+        self.load_batch = LoadBatch(self.jobs, self._submit_copy)
         self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
         self._device0 = device.available_size()
@@ -232,10 +234,13 @@ class CacheManager:
         self.inc_lock_ref(n)
         try:
             above = [
-                m.pending[PendingKind.LOAD]
+                self.load_batch.worker_id(m.pending[PendingKind.LOAD])
                 for m in path_to_root(n)
                 if PendingKind.LOAD in m.pending
             ]
+            # A load held by the open batch goes in the same job as this one (one fate, and
+            # its layers land with this one's): only loads already submitted are waited for.
+            above = [j for j in above if not self.load_batch.holds(j)]
             if above:
                 # Hazard: a reader of the chain waits on this load's layer events only, which
                 # cannot tell that a load still in flight into the device part above failed
@@ -261,9 +266,10 @@ class CacheManager:
         self.tree.begin_job(job_id, PendingKind.LOAD, chain)
         self.inc_lock_ref(node)
         self.inc_host_ref(node)
-        if not self._submit_copy(
-            TransferJob.load(job_id, torch.cat([c.host for c in chain]), device)
-        ):
+        job = TransferJob.load(job_id, torch.cat([c.host for c in chain]), device)
+        if self.load_batch.is_open:
+            self.load_batch.add(job)  # submitted with the batch's other loads at its flush
+        elif not self._submit_copy(job):
             return None  # refused: its handler dropped the new copies, compute the part instead
         return device
 
@@ -284,9 +290,18 @@ class CacheManager:
         """The layer-done slot a reader of ``node``'s path must wait on: that of the newest
         load still in flight into the path (its own, or another request's that the path
         shares), None if none. Loads run in order on one stream, so waiting for a layer of the
-        newest also waits for that layer of every earlier one."""
+        newest also waits for that layer of every earlier one. A load held by an open batch has
+        no slot yet: ask again after its flush."""
+        return self.load_slot_of([node])
+
+    def load_slot_of(self, nodes: list[TreeNode]) -> int | None:
+        """``load_slot`` for a forward that reads all of ``nodes``' paths: the newest load in
+        flight into any of them."""
         jobs = [
-            n.pending[PendingKind.LOAD] for n in path_to_root(node) if PendingKind.LOAD in n.pending
+            self.load_batch.worker_id(n.pending[PendingKind.LOAD])
+            for node in nodes
+            for n in path_to_root(node)
+            if PendingKind.LOAD in n.pending
         ]
         return self.device_host.load_slot(max(jobs)) if jobs else None
 

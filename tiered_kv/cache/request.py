@@ -1,0 +1,52 @@
+"""Request: what ``TieredKVCache.begin`` hands a serving loop for one request, and the checks
+of a prompt's token ids (done once, before anything changes)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv.cache.lifecycle import PrefixGrant
+from tiered_kv.cache.metrics import RequestHits
+from tiered_kv.device.req_to_token_pool import RequestKV
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.tree.node import TreeNode
+
+
+@dataclass
+class Request:
+    tokens: list[int]  # tokens whose KV this request holds or is computing
+    kv: RequestKV
+    slots: torch.Tensor  # device slot per token in ``tokens``
+    prefix_len: int
+    hits: RequestHits
+    node: TreeNode  # deepest tree node locked for this request
+    load_slot: int | None = None  # layer-done counter slot of its host -> device load
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+    grant: PrefixGrant | None = None
+    owner: object = None  # the cache that began it (a request is only ever its cache's)
+
+    @property
+    def row(self) -> int:
+        return self.kv.req_pool_idx
+
+
+MAX_TOKEN_ID = 0xFFFFFFFF  # page keys hash token ids as uint32
+
+
+def token_ids(tokens) -> list[int]:
+    """Token ids as Python ints (ints, numpy or torch integer scalars, a 1-D integer tensor),
+    each in ``0..MAX_TOKEN_ID``; checked here, once, for every path (before anything changes)."""
+    try:
+        ids = [operator.index(t) for t in tokens]
+    except TypeError as exc:
+        raise InvalidArgumentError(f"tokens must be integer ids: {exc}") from None
+    bad = [t for t in ids if not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise InvalidArgumentError(
+            f"token ids {bad[:8]} are outside 0..{MAX_TOKEN_ID} (uint32); nothing was changed"
+        )
+    return ids
