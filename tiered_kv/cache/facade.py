@@ -195,7 +195,7 @@ class TieredKVCache:
         # the slot begin saw may have been reused by a later load since, failed or not.
         for r in reqs:
             r.load_slot = self.manager.load_slot(r.node)
-        slot = self.manager.load_slot_of([r.node for r in reqs])
+        slot = self.manager.load_slot(*(r.node for r in reqs))
         self.device_host.layer_done_counter.set_consumer(slot)
 
     def _prefetch_wait(self, tokens: int) -> float | None:

@@ -233,14 +233,14 @@ class CacheManager:
         self.inc_host_ref(node)
         self.inc_lock_ref(n)
         try:
+            # A load held by the open batch goes in this one's job (one fate, its layers land
+            # with these): only loads already submitted are waited for, by their worker's id.
+            held = self.load_batch.holds
             above = [
-                self.load_batch.worker_id(m.pending[PendingKind.LOAD])
-                for m in path_to_root(n)
-                if PendingKind.LOAD in m.pending
+                self.load_batch.worker_id(j)
+                for j in (m.pending.get(PendingKind.LOAD) for m in path_to_root(n))
+                if j is not None and not held(j)
             ]
-            # A load held by the open batch goes in the same job as this one (one fate, and
-            # its layers land with this one's): only loads already submitted are waited for.
-            above = [j for j in above if not self.load_batch.holds(j)]
             if above:
                 # Hazard: a reader of the chain waits on this load's layer events only, which
                 # cannot tell that a load still in flight into the device part above failed
@@ -286,17 +286,10 @@ class CacheManager:
             self.jobs.fail(job.job_id, job.direction, None)
         return ok
 
-    def load_slot(self, node: TreeNode) -> int | None:
-        """The layer-done slot a reader of ``node``'s path must wait on: that of the newest
-        load still in flight into the path (its own, or another request's that the path
-        shares), None if none. Loads run in order on one stream, so waiting for a layer of the
-        newest also waits for that layer of every earlier one. A load held by an open batch has
-        no slot yet: ask again after its flush."""
-        return self.load_slot_of([node])
-
-    def load_slot_of(self, nodes: list[TreeNode]) -> int | None:
-        """``load_slot`` for a forward that reads all of ``nodes``' paths: the newest load in
-        flight into any of them."""
+    def load_slot(self, *nodes: TreeNode) -> int | None:
+        """The layer-done slot a reader of ``nodes``' paths waits on: the newest load in flight
+        into any of them (None if none; loads run in order, so its layers cover every earlier
+        load's). A load held by an open batch has no slot yet: ask again after its flush."""
         jobs = [
             self.load_batch.worker_id(n.pending[PendingKind.LOAD])
             for node in nodes
