@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.device.pool_decl import HostPart, HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
@@ -31,7 +32,7 @@ class HostPoolGroup:
     def __init__(
         self,
         decls: Sequence[HostPoolDecl],
-        device_allocator: Any,
+        device_allocator: BaseTokenToKVPoolAllocator,
         *,
         size_tokens: int,
         **kwargs: Any,
