@@ -71,10 +71,16 @@ class ModelGeometry:
     v_head_dim: int | None = None
     kv_lora_rank: int = 64  # MLA
     qk_rope_head_dim: int = 16  # MLA
+    index_head_dim: int = 128  # DSA: the indexer key's elements (whole 128-element blocks)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _ints(self, ("num_layers", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim"))
+        _ints(
+            self,
+            ("num_layers", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
+             "index_head_dim"),
+        )  # fmt: skip
+        _need(self.index_head_dim % 128 == 0, self, "index_head_dim", "a multiple of 128")
         v = self.v_head_dim
         _need(v is None or (_is_int(v) and v >= 1), self, "v_head_dim", "None or an int >= 1")
         _choice(self, "model", ModelKind.values())

@@ -80,6 +80,7 @@ class StorageLayout(Name):
 class ModelKind(Name):
     MHA = "mha"
     MLA = "mla"
+    DSA = "dsa"  # MLA plus the sparse indexer's key cache
 
 
 class Tier(Name):

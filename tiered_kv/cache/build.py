@@ -20,12 +20,14 @@ from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
+from tiered_kv.device.dsa_pool import QUANT_BLOCK, DSATokenToKVPool
 from tiered_kv.device.kv_cache import KVCache, mha_kv_bytes, mla_kv_bytes
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
+from tiered_kv.host.pool_group import HostPoolGroup
 from tiered_kv.names import ModelKind
 from tiered_kv.storage import StorageNamespace
 from tiered_kv.storage.guarded_store import GuardedStorage
@@ -39,7 +41,7 @@ class CacheParts(NamedTuple):
     device_pool: KVCache
     allocator: PagedTokenToKVPoolAllocator
     req_to_token: ReqToTokenPool
-    host_pool: HostKVCache | None
+    host_pool: HostKVCache | HostPoolGroup | None  # a group when the pool declares several
     storage: GuardedStorage | None  # the disk store, reopened or turned off when it keeps failing
     device_host: DeviceHostTransfer | None
     host_storage: HostStorageTransfer | None
@@ -60,6 +62,11 @@ def device_pool_for(c: TieredKVConfig) -> KVCache:
             device,
             v_head_dim=g.v_head_dim,
         )
+    if g.model == ModelKind.DSA:
+        return DSATokenToKVPool(
+            d.device_tokens, d.page_size, g.torch_dtype, g.kv_lora_rank, g.qk_rope_head_dim,
+            g.num_layers, device, index_head_dim=g.index_head_dim,
+        )  # fmt: skip
     return MLATokenToKVPool(
         d.device_tokens,
         d.page_size,
@@ -80,6 +87,8 @@ def check_device_fits(c: TieredKVConfig) -> None:
         pool = mha_kv_bytes(g.num_layers, tokens, g.head_num, g.head_dim, g.torch_dtype)
     else:
         pool = mla_kv_bytes(g.num_layers, tokens, g.kv_lora_rank, g.qk_rope_head_dim, g.torch_dtype)
+    if g.model == ModelKind.DSA:  # the indexer's fp8 keys and float32 block scales
+        pool += g.num_layers * tokens * (g.index_head_dim + 4 * g.index_head_dim // QUANT_BLOCK)
     rows = (d.max_requests + 1) * d.max_context_len * 4  # int32 slot per (row, position)
     cuda = d.device == "cuda"
     free = torch.cuda.mem_get_info()[0] if cuda else psutil.virtual_memory().available
@@ -106,16 +115,18 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
     opened: list = []
     try:
         if h.host_tokens:
-            (decl,) = pool.host_pool_decls()
-            host_pool = host_pool_for(
-                decl,
-                allocator,
+            decls = pool.host_pool_decls()
+            host_options = dict(
                 layout=h.host_layout,
                 size_tokens=h.host_tokens,
                 pin=h.pin,
                 reserve_bytes=h.reserve_bytes,
                 kernel_backend=h.kernel_backend,
             )
+            if len(decls) == 1:
+                host_pool = host_pool_for(decls[0], allocator, **host_options)
+            else:  # every declared part of a page moves and is stored together
+                host_pool = HostPoolGroup(decls, allocator, **host_options)
             device_host = DeviceHostTransfer(
                 allocator, host_pool, io_backend=h.io_backend, stats=metrics.transfer
             )

@@ -274,6 +274,17 @@ class TieredKVCache:
         self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots), k, v)
 
     @_serialized
+    def write_index_k(self, layer_id: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
+        """The sparse indexer's keys for ``slots`` of layer ``layer_id`` (DSA pools only)."""
+        write = getattr(self.device_pool, "set_index_k_buffer", None)
+        if write is None:
+            raise InvalidArgumentError(
+                f"this cache's {self.config.geometry.model} pool has no indexer cache; "
+                "write_index_k needs geometry model='dsa'"
+            )
+        write(layer_id, KVWriteLoc(slots), index_k)
+
+    @_serialized
     def finish(self, req: Request) -> None:
         """Insert ``req``'s whole pages into the tree and release the request: its duplicate
         and partial-page slots are freed, its lock and row returned. A request whose prefix
