@@ -18,8 +18,8 @@ import torch
 
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.engine.model import DenseKV, ModelConfig, TinyLlama
-from tiered_kv.engine.serve import PagedKV, Server
+from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.engine.serve import PagedKV, Server, dense_kv_for
 from tiered_kv.errors import InvalidArgumentError, StateError
 
 MC = ModelConfig(
@@ -106,7 +106,7 @@ def serve(server: Server, prompt: list[int], new_tokens: int) -> Served:
 
 def no_cache(model: TinyLlama, prompt: list[int], out: list[int], chunk: int):
     """Logits with caching disabled: every prompt position, then one per decode step."""
-    kv = DenseKV(model.cfg, len(prompt) + len(out))
+    kv = dense_kv_for(model.cfg, len(prompt) + len(out))
     prefill = model.forward(torch.tensor(prompt), 0, kv, chunk)
     steps = [prefill[-1]]
     for i, token in enumerate(out):

@@ -24,6 +24,7 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.config import StorageConfig, TieredKVConfig
+from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
@@ -57,10 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=positive_int, default=32)
     m.add_argument(
         "--attention",
-        choices=("gqa", "mla"),
+        choices=("gqa", "mla", "dsa"),
         default="gqa",
         help="mla: latent attention, kv_lora_rank = 2 x head-dim, rope dim = head-dim / 2 "
-        "(--kv-heads is ignored)",
+        "(--kv-heads is ignored); dsa: mla plus a sparse indexer (128-element fp8 keys, each "
+        "query attends to its top 8 keys)",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=positive_int, default=16)
@@ -99,9 +101,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.head_dim % 2:
         parser.error(f"--head-dim {args.head_dim} must be even (RoPE)")
-    if args.attention == ModelKind.MLA and args.head_dim % 4:
+    if args.attention in (ModelKind.MLA, ModelKind.DSA) and args.head_dim % 4:
         parser.error(
-            f"--head-dim {args.head_dim} must be a multiple of 4 with --attention mla "
+            f"--head-dim {args.head_dim} must be a multiple of 4 with --attention {args.attention} "
             "(its rope dim, head-dim / 2, must be even)"
         )
     ps = args.page_size
@@ -151,8 +153,9 @@ def main(args: argparse.Namespace) -> int:
     store = args.store
     if args.fresh:
         shutil.rmtree(store, ignore_errors=True)
-    if args.attention == ModelKind.MLA:
-        mc = MLAModelConfig(
+    if args.attention in (ModelKind.MLA, ModelKind.DSA):
+        config_cls = DSAModelConfig if args.attention == ModelKind.DSA else MLAModelConfig
+        mc = config_cls(
             num_layers=args.layers,
             hidden=args.hidden,
             num_heads=args.heads,
@@ -164,7 +167,9 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         geometry = dict(
-            model="mla", kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim
+            model=str(args.attention),
+            kv_lora_rank=mc.kv_lora_rank,
+            qk_rope_head_dim=mc.qk_rope_head_dim,
         )
     else:
         mc = ModelConfig(
@@ -203,7 +208,8 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.system_prompts)
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
-    model = TinyMLA(mc) if args.attention == ModelKind.MLA else TinyLlama(mc)
+    models = {ModelKind.MLA: TinyMLA, ModelKind.DSA: TinyDSA}
+    model = models.get(args.attention, TinyLlama)(mc)
     try:
         cache = TieredKVCache(cfg)
     except StorageOpenError as exc:  # a store of the other layout, a full disk, ...: one line

@@ -65,6 +65,11 @@ class TinyMLA(TinyLlama):
             "wo": w(c.num_heads * c.v_head_dim, h, fan_in=c.num_heads * c.v_head_dim),
         }
 
+    def _mask_keys(self, i, p, h, mask, rows, end, base, chunk, kv) -> torch.Tensor:
+        """The (queries, keys) mask of keys a query does not attend to: the causal mask here;
+        a sparse variant also masks the keys its indexer did not select."""
+        return mask
+
     def _attention(self, i, p, h, positions, rows, end, base, chunk, kv) -> torch.Tensor:
         c = self.cfg
         heads, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
@@ -85,6 +90,7 @@ class TinyMLA(TinyLlama):
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(nope + rope)
         pos_q = positions[:, None]
         mask = torch.arange(n_keys)[None, :] > pos_q
+        mask = self._mask_keys(i, p, h, mask, rows, end, base, chunk, kv)
         probs = torch.softmax(scores.masked_fill(mask[None], float("-inf")), dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(chunk, heads * c.v_head_dim)
         return out @ p["wo"]

@@ -18,9 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from tiered_kv.cache import Request, TieredKVCache
+from tiered_kv.engine.dsa import DenseDSAKV
 from tiered_kv.engine.model import DenseKV, TinyLlama
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
+
+
+def dense_kv_for(cfg, max_tokens: int) -> DenseKV:
+    """The no-cache reference's KV for a model config (indexer keys too for a DSA model)."""
+    return (
+        DenseDSAKV(cfg, max_tokens) if hasattr(cfg, "index_head_dim") else DenseKV(cfg, max_tokens)
+    )
 
 
 class PagedKV:
@@ -43,9 +51,20 @@ class PagedKV:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
         k = pool.get_key_buffer(layer)[idx].to(self.dtype)
-        if self.cache.config.geometry.model == ModelKind.MLA:
+        if self.cache.config.geometry.model in (ModelKind.MLA, ModelKind.DSA):
             return k, None  # the latent holds both
         return k, pool.get_value_buffer(layer)[idx].to(self.dtype)
+
+    def write_index(self, layer: int, keys: torch.Tensor) -> None:
+        """DSA: the indexer keys of the tokens being computed."""
+        row = self.cache.req_to_token.req_to_token[self.req.row]
+        self.cache.write_index_k(
+            layer, row[self.start : self.start + len(keys)].to(torch.int64), keys
+        )
+
+    def read_index(self, layer: int, end: int) -> torch.Tensor:
+        idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
+        return self.cache.device_pool.get_index_k(layer, idx)
 
 
 @dataclass
@@ -72,13 +91,16 @@ class Server:
         mc, c = model.cfg, cache.config.geometry
         # The model writes per-token K/V of fixed shapes: the cache must hold exactly that, or
         # the first request fails halfway (InvalidArgumentError is a ValueError).
-        if hasattr(mc, "kv_lora_rank"):  # an MLA model (TinyMLA, or a wrapper of one)
+        if hasattr(mc, "kv_lora_rank"):  # an MLA model (TinyMLA, TinyDSA, or a wrapper)
+            dsa = hasattr(mc, "index_head_dim")
             checks = [
-                ("cache kind", "mla", c.model),
+                ("cache kind", "dsa" if dsa else "mla", c.model),
                 ("layers", mc.num_layers, c.num_layers),
                 ("kv_lora_rank", mc.kv_lora_rank, c.kv_lora_rank),
                 ("qk_rope_head_dim", mc.qk_rope_head_dim, c.qk_rope_head_dim),
             ]
+            if dsa:
+                checks.append(("index_head_dim", mc.index_head_dim, c.index_head_dim))
         else:
             checks = [
                 ("cache kind", "mha", c.model),
@@ -136,7 +158,12 @@ class Server:
     def _verify(self, prompt, out, served, record: RequestRecord) -> None:
         """Recompute with caching disabled; compare every logit the served run produced."""
         model = self.model
-        dense = DenseKV(model.cfg, len(prompt) + len(out) + 1)
+        size = len(prompt) + len(out) + 1
+        dense = (
+            DenseDSAKV(model.cfg, size)
+            if hasattr(model.cfg, "index_head_dim")
+            else DenseKV(model.cfg, size)
+        )
         t = time.perf_counter()
         logits = model.forward(torch.tensor(prompt), 0, dense, self.chunk)
         record.recompute_ttft_s = time.perf_counter() - t
