@@ -43,10 +43,14 @@ class HostPoolGroup:
                 f"a host pool group needs 2 or more declarations, got {len(decls)}; use "
                 "host_pool_for for one"
             )
-        owner = decls[0].device_pool
+        owner = device_allocator.get_kvcache()
         page = decls[0].page_size
+        # A composite pool's allocator routes each declaration to the sub-allocator of its
+        # sub-pool and to the translation of the job's device slots into that sub-pool's.
+        route = getattr(device_allocator, "host_part_route", None)
+        routes = [route(d) if route is not None else (device_allocator, None) for d in decls]
         for d in decls:
-            if d.device_pool is not owner or d.page_size != page:
+            if d.page_size != page or (route is None and d.device_pool is not owner):
                 raise InvalidArgumentError(
                     f"declaration {d.name!r} belongs to another device pool or page size; a "
                     "group holds one owner's declarations"
@@ -56,19 +60,28 @@ class HostPoolGroup:
         self.members: tuple[HostKVCache, ...] = ()
         built: list[HostKVCache] = []
         try:
-            for d in decls:
-                built.append(host_pool_for(d, device_allocator, size_tokens=size_tokens, **kwargs))
+            for d, (sub, _) in zip(decls, routes, strict=True):
+                built.append(host_pool_for(d, sub, size_tokens=size_tokens, **kwargs))
         except BaseException:
             for m in built:
                 m.destroy()
             raise
         self.members = tuple(built)
+        self._translate = tuple(t for _, t in routes)
         self.allocator = built[0].allocator
         for m in built[1:]:
             m.allocator = self.allocator  # one slot space: a slot is the same in every member
         self.page_size, self.size = page, built[0].size
         self.num_pages, self.layout = built[0].num_pages, built[0].layout
         self.decl = _group_decl(decls, owner, page)
+
+    def _parts(self, device_pool: Any, device_indices: torch.Tensor):
+        """(member, its device pool, the job's slots in that pool) for every member."""
+        if device_pool is not self.decl.device_pool:
+            raise InvalidArgumentError("device_pool is not the pool this group mirrors")
+        for m, translate in zip(self.members, self._translate, strict=True):
+            idx = device_indices if translate is None else translate(device_indices)
+            yield m, m.decl.device_pool, idx
 
     # -- slots ----------------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -94,31 +107,30 @@ class HostPoolGroup:
         io_backend: str = "kernel",
     ) -> None:  # fmt: skip
         """Every member's part of ``device_indices`` into ``host_indices``."""
-        for m in self.members:
-            m.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+        for m, pool, idx in list(self._parts(device_pool, device_indices)):  # all checked first
+            m.backup_from_device_all_layer(pool, host_indices, idx, io_backend)
 
     def load_to_device_per_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
         layer_id: int, io_backend: str = "kernel",
     ) -> None:  # fmt: skip
         """Layer ``layer_id`` of every member that holds it."""
-        held = [m for m in self.members if layer_id in m.decl.layer_ids]
+        parts = list(self._parts(device_pool, device_indices))
+        held = [(m, pool, idx) for m, pool, idx in parts if layer_id in m.decl.layer_ids]
         if not held:
             raise InvalidArgumentError(
                 f"layer_id={layer_id!r} is held by no member; layers are "
                 f"{list(self.decl.layer_ids)}"
             )
-        for m in held:
-            m.load_to_device_per_layer(
-                device_pool, host_indices, device_indices, layer_id, io_backend
-            )
+        for m, pool, idx in held:
+            m.load_to_device_per_layer(pool, host_indices, idx, layer_id, io_backend)
 
     def load_to_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
         io_backend: str = "kernel",
     ) -> None:  # fmt: skip
-        for m in self.members:
-            m.load_to_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+        for m, pool, idx in list(self._parts(device_pool, device_indices)):
+            m.load_to_device_all_layer(pool, host_indices, idx, io_backend)
 
     # -- pages as bytes -------------------------------------------------------------------------
     @property

@@ -95,14 +95,15 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
                     f"req_to_token_pool has {req_to_token_pool.size}; size the window sub-pool "
                     f"to rows x ring cost ({req_to_token_pool.size} x {self._ring_cost})"
                 )
-            self._size_swa = req_to_token_pool.size * self._ring_cost
+            self.size_swa = req_to_token_pool.size * self._ring_cost
         else:
             self._ring_cost = 0
-            self._size_swa = size_swa
+            self.size_swa = size_swa
             self.swa_attn_allocator = self._sub(
                 size_swa, dtype, kvcache.swa_kv_pool, need_sort, debug, kernel_backend
             )
-        self._size_full = size
+        self.size_full = size
+        self.swa_req_ring, self.swa_ring_cost_tokens = self._ring, self._ring_cost
         # Trailing -1: a last_loc of -1 (no prefix) indexes it, so the window side sees -1.
         self.full_to_swa_index_mapping = torch.cat(
             [
@@ -124,24 +125,8 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
-    def swa_req_ring(self) -> bool:
-        return self._ring
-
-    @property
-    def swa_ring_cost_tokens(self) -> int:
-        return self._ring_cost
-
-    @property
     def size(self) -> int:
-        return min(self._size_full, self._size_swa)
-
-    @property
-    def size_full(self) -> int:
-        return self._size_full
-
-    @property
-    def size_swa(self) -> int:
-        return self._size_swa
+        return min(self.size_full, self.size_swa)
 
     @property
     def debug_mode(self) -> bool:
@@ -184,6 +169,32 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
     def translate_kv_indices_for_transfer(self, indices: torch.Tensor) -> torch.Tensor:
         """Full slots are physical: the identity (window slots travel by the table)."""
         return indices
+
+    def host_part_route(self, decl) -> tuple[object, object]:
+        """For a host pool group: (the sub-allocator of ``decl``'s sub-pool, how a job's full
+        slots become that sub-pool's slots). Window KV is copied only for tokens that still
+        have it: a token whose window peer was freed is refused, never copied from padding."""
+        kv = self._kvcache
+        if decl.device_pool is kv.full_kv_pool:
+            return self.full_attn_allocator, None
+        if decl.device_pool is not kv.swa_kv_pool:
+            raise InvalidArgumentError(f"declaration {decl.name!r} is not one of this pool's")
+        if self._ring:
+            raise InvalidArgumentError(
+                "a per-request ring's window KV belongs to the running request's row; it is not "
+                "offloaded (build the host tier from the full declaration only)"
+            )
+        return self.swa_attn_allocator, self._window_slots
+
+    def _window_slots(self, full: torch.Tensor) -> torch.Tensor:
+        swa = self.translate_loc_from_full_to_swa(full.to(torch.int64))
+        if swa.numel() and bool((swa <= 0).any()):
+            bad = full[swa <= 0].tolist()[:8]
+            raise StateError(
+                f"full slots {bad} have no window KV (it left the window and was freed); copy "
+                "only tokens whose window KV is present"
+            )
+        return swa
 
     def ring_loc(
         self,
