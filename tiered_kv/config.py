@@ -72,19 +72,34 @@ class ModelGeometry:
     kv_lora_rank: int = 64  # MLA
     qk_rope_head_dim: int = 16  # MLA
     index_head_dim: int = 128  # DSA: the indexer key's elements (whole 128-element blocks)
+    sliding_window: int = 64  # SWA: tokens a window layer attends to (its own included)
+    full_layer_every: int = 4  # SWA: layer i is full attention when i % full_layer_every == 0
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _ints(
             self,
             ("num_layers", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
-             "index_head_dim"),
+             "index_head_dim", "sliding_window", "full_layer_every"),
         )  # fmt: skip
         _need(self.index_head_dim % 128 == 0, self, "index_head_dim", "a multiple of 128")
+        if self.model == ModelKind.SWA:
+            _need(
+                self.num_layers > 1 and self.full_layer_every > 1,
+                self,
+                "full_layer_every",
+                "> 1 with num_layers > 1 (an SWA model has full and window layers)",
+            )
         v = self.v_head_dim
         _need(v is None or (_is_int(v) and v >= 1), self, "v_head_dim", "None or an int >= 1")
         _choice(self, "model", ModelKind.values())
         _choice(self, "dtype", tuple(DTYPES))
+
+    def swa_layer_ids(self) -> tuple[list[int], list[int]]:
+        """(full layer ids, window layer ids) of an SWA model."""
+        every = self.full_layer_every
+        ids = range(self.num_layers)
+        return [i for i in ids if i % every == 0], [i for i in ids if i % every]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,9 +113,17 @@ class DeviceConfig:
     device_tokens: int = 4096
     max_requests: int = 64
     max_context_len: int = 8192
+    device_swa_tokens: int | None = None  # SWA: window sub-pool slots (None: device_tokens)
 
     def __post_init__(self) -> None:
         _ints(self, ("page_size", "device_tokens", "max_requests", "max_context_len"))
+        w = self.device_swa_tokens
+        _need(
+            w is None or (_is_int(w) and w >= 2 * self.page_size and w % self.page_size == 0),
+            self,
+            "device_swa_tokens",
+            f"None or a multiple of page_size={self.page_size}, at least two pages",
+        )
         ps = self.page_size
         _need(ps & (ps - 1) == 0, self, "page_size", "a power of two (1, 2, 4, ..., 16, 64, ...)")
         _need(

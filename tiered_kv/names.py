@@ -81,6 +81,7 @@ class ModelKind(Name):
     MHA = "mha"
     MLA = "mla"
     DSA = "dsa"  # MLA plus the sparse indexer's key cache
+    SWA = "swa"  # MHA layers, most of them sliding-window (a full layer every full_layer_every)
 
 
 class Tier(Name):

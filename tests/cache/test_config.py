@@ -226,3 +226,14 @@ def test_a_cache_too_large_for_the_machine_is_a_typed_error(tmp_path, changes, f
 
     with pytest.raises(HostMemoryError, match=rf"TieredKVConfig\.{field}"):
         TieredKVCache(small(storage_path=str(tmp_path / "s"), **changes))
+
+
+def test_swa_and_dsa_geometry_fields_are_checked():
+    with pytest.raises(InvalidArgumentError, match="full_layer_every"):
+        small(model="swa", full_layer_every=1)
+    with pytest.raises(InvalidArgumentError, match="device_swa_tokens"):
+        small(device_swa_tokens=3)
+    with pytest.raises(InvalidArgumentError, match="index_head_dim"):
+        small(index_head_dim=64)
+    full, window = small(model="swa", num_layers=5, full_layer_every=2).geometry.swa_layer_ids()
+    assert (full, window) == ([0, 2, 4], [1, 3])

@@ -412,8 +412,8 @@ def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
     assert [r["host_policy"] for r in json.loads(same.read_text())["rows"]] == ["lru", "s3fifo"]
 
 
-@pytest.mark.parametrize("attention", ["mla", "dsa"])
-def test_run_with_latent_attention_verifies_bitwise(tmp_path, attention):
+@pytest.mark.parametrize("attention", ["mla", "dsa", "swa"])
+def test_run_with_each_attention_kind_verifies_bitwise(tmp_path, attention):
     store = str(tmp_path / attention)
     code, res, printed = _run(["--store", store, "--attention", attention])
     assert code == 0
@@ -423,7 +423,7 @@ def test_run_with_latent_attention_verifies_bitwise(tmp_path, attention):
     assert sum(res["hits"].values()) == res["prompt_tokens"]
     assert res["hits"]["device"] > 0
     assert "PASS" in printed
-    if attention == "dsa":  # a second run over the same store restores from storage
+    if attention != "mla":  # a second run over the same store restores from storage
         code, again, _ = _run(["--store", store, "--attention", attention])
         assert code == 0 and again["hits"]["storage"] > 0
         assert again["verification"]["passed"] is True

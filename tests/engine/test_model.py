@@ -240,9 +240,9 @@ def test_chunks_are_aligned_to_absolute_positions_and_computed_whole(gen, monkey
     shapes = []
     attend = model._attend
 
-    def spy(q, k, v, start):
+    def spy(q, k, v, start, window=None):
         shapes.append((start, q.shape[0], k.shape[0]))
-        return attend(q, k, v, start)
+        return attend(q, k, v, start, window)
 
     monkeypatch.setattr(model, "_attend", spy)
     model.forward(tokens[:13], 0, kv, 8)

@@ -20,11 +20,13 @@ from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
+from tiered_kv.device.allocator.swa import SWATokenToKVPoolAllocator
 from tiered_kv.device.dsa_pool import QUANT_BLOCK, DSATokenToKVPool
 from tiered_kv.device.kv_cache import KVCache, mha_kv_bytes, mla_kv_bytes
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
+from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.host.pool_group import HostPoolGroup
@@ -38,8 +40,8 @@ from tiered_kv.tree.tiered_tree import TieredTree
 
 
 class CacheParts(NamedTuple):
-    device_pool: KVCache
-    allocator: PagedTokenToKVPoolAllocator
+    device_pool: KVCache | SWAKVPool
+    allocator: PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator
     req_to_token: ReqToTokenPool
     host_pool: HostKVCache | HostPoolGroup | None  # a group when the pool declares several
     storage: GuardedStorage | None  # the disk store, reopened or turned off when it keeps failing
@@ -48,9 +50,15 @@ class CacheParts(NamedTuple):
     manager: CacheManager
 
 
-def device_pool_for(c: TieredKVConfig) -> KVCache:
+def device_pool_for(c: TieredKVConfig) -> KVCache | SWAKVPool:
     g, d = c.geometry, c.device
     device = torch.device(d.device)
+    if g.model == ModelKind.SWA:
+        full, window = g.swa_layer_ids()
+        return SWAKVPool(
+            d.device_tokens, swa_tokens(c), d.page_size, g.torch_dtype, g.head_num, g.head_dim,
+            full, window, device, v_head_dim=g.v_head_dim,
+        )  # fmt: skip
     if g.model == ModelKind.MHA:
         return MHATokenToKVPool(
             d.device_tokens,
@@ -78,12 +86,35 @@ def device_pool_for(c: TieredKVConfig) -> KVCache:
     )
 
 
+def swa_tokens(c: TieredKVConfig) -> int:
+    return c.device.device_swa_tokens or c.device.device_tokens
+
+
+def allocator_for(
+    c: TieredKVConfig, pool: KVCache | SWAKVPool
+) -> PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator:
+    d = c.device
+    if isinstance(pool, SWAKVPool):
+        return SWATokenToKVPoolAllocator(
+            d.device_tokens, swa_tokens(c), d.page_size, c.torch_dtype, torch.device(d.device), pool
+        )
+    return PagedTokenToKVPoolAllocator(
+        d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool
+    )
+
+
 def check_device_fits(c: TieredKVConfig) -> None:
     """Refuse, naming the field, a device pool or request table this machine cannot hold
     (instead of an untyped allocation error from torch half way through the build)."""
     g, d = c.geometry, c.device
     tokens = d.device_tokens + d.page_size
-    if g.model == ModelKind.MHA:
+    if g.model == ModelKind.SWA:
+        full, window = g.swa_layer_ids()
+        pool = mha_kv_bytes(len(full), tokens, g.head_num, g.head_dim, g.torch_dtype)
+        pool += mha_kv_bytes(
+            len(window), swa_tokens(c) + d.page_size, g.head_num, g.head_dim, g.torch_dtype
+        )
+    elif g.model == ModelKind.MHA:
         pool = mha_kv_bytes(g.num_layers, tokens, g.head_num, g.head_dim, g.torch_dtype)
     else:
         pool = mla_kv_bytes(g.num_layers, tokens, g.kv_lora_rank, g.qk_rope_head_dim, g.torch_dtype)
@@ -106,9 +137,7 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
     d, h, s, p = c.device, c.host, c.storage, c.policies
     check_device_fits(c)
     pool = device_pool_for(c)
-    allocator = PagedTokenToKVPoolAllocator(
-        d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool
-    )
+    allocator = allocator_for(c, pool)
     rows = ReqToTokenPool(d.max_requests, d.max_context_len, torch.device(d.device))
     metrics = CacheMetrics()
     host_pool = storage = namespace = device_host = host_storage = None

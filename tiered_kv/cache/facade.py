@@ -271,7 +271,10 @@ class TieredKVCache:
     @_serialized
     def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """The model's KV for ``slots`` of global layer ``layer_id``."""
-        self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots), k, v)
+        # A sliding-window pool's window layers write at the same tokens' window slots.
+        to_window = getattr(self.allocator, "translate_loc_from_full_to_swa", None)
+        swa = to_window(slots.to(torch.int64)) if to_window is not None else None
+        self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots, swa_loc=swa), k, v)
 
     @_serialized
     def write_index_k(self, layer_id: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:

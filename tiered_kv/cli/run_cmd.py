@@ -28,6 +28,7 @@ from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
+from tiered_kv.engine.swa import SWAModelConfig, TinySWA
 from tiered_kv.errors import StorageOpenError
 from tiered_kv.names import (
     EvictionPolicyName,
@@ -58,11 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=positive_int, default=32)
     m.add_argument(
         "--attention",
-        choices=("gqa", "mla", "dsa"),
+        choices=("gqa", "mla", "dsa", "swa"),
         default="gqa",
         help="mla: latent attention, kv_lora_rank = 2 x head-dim, rope dim = head-dim / 2 "
         "(--kv-heads is ignored); dsa: mla plus a sparse indexer (128-element fp8 keys, each "
-        "query attends to its top 8 keys)",
+        "query attends to its top 8 keys); swa: gqa with one full layer in every 4, the others "
+        "attending to the last 48 positions, on a sliding-window pool",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=positive_int, default=16)
@@ -172,15 +174,20 @@ def main(args: argparse.Namespace) -> int:
             qk_rope_head_dim=mc.qk_rope_head_dim,
         )
     else:
-        mc = ModelConfig(
+        swa = args.attention == ModelKind.SWA
+        window = dict(sliding_window=48, full_layer_every=4) if swa else {}
+        mc = (SWAModelConfig if swa else ModelConfig)(
             num_layers=args.layers,
             hidden=args.hidden,
             num_heads=args.heads,
             num_kv_heads=args.kv_heads,
             head_dim=args.head_dim,
             seed=args.seed,
+            **window,
         )
         geometry = dict(head_num=args.kv_heads, head_dim=args.head_dim)
+        if swa:
+            geometry.update(model="swa", **window)
     cfg = TieredKVConfig.flat(
         num_layers=args.layers,
         **geometry,
@@ -208,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.system_prompts)
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
-    models = {ModelKind.MLA: TinyMLA, ModelKind.DSA: TinyDSA}
+    models = {ModelKind.MLA: TinyMLA, ModelKind.DSA: TinyDSA, ModelKind.SWA: TinySWA}
     model = models.get(args.attention, TinyLlama)(mc)
     try:
         cache = TieredKVCache(cfg)

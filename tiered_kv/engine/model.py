@@ -161,10 +161,20 @@ class TinyLlama:
         out[..., 1::2] = x1 * sin + x2 * cos
         return out
 
+    def _window(self, layer: int) -> int | None:
+        """Keys a query of ``layer`` sees (its own included), None: all earlier ones."""
+        return None
+
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Causal GQA for queries at positions ``start..start+n-1`` over keys ``0..start+n-1``."""
+        """Causal GQA for queries at positions ``start..start+n-1`` over keys ``0..start+n-1``
+        (only the last ``window`` of them per query when given)."""
         cfg = self.cfg
         n, end = q.shape[0], k.shape[0]
         group = cfg.num_heads // cfg.num_kv_heads
@@ -173,6 +183,8 @@ class TinyLlama:
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)
         pos_q = torch.arange(start, start + n)[:, None]
         mask = torch.arange(end)[None, :] > pos_q
+        if window is not None:
+            mask |= torch.arange(end)[None, :] <= pos_q - window
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, v).reshape(n, cfg.num_heads * cfg.head_dim)
@@ -195,7 +207,7 @@ class TinyLlama:
         keys, values = kv.read(i, end)
         keys = self._pad_keys(keys, end, base + chunk)
         values = self._pad_keys(values, end, base + chunk)
-        return self._attend(q, keys, values, base) @ p["wo"]
+        return self._attend(q, keys, values, base, self._window(i)) @ p["wo"]
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, start: int, kv: KVAccess, chunk: int) -> torch.Tensor:

@@ -50,6 +50,8 @@ class PagedKV:
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
+        if getattr(pool, "layers_mapping", {}).get(layer, (0, False))[1]:
+            idx = self.cache.allocator.translate_loc_from_full_to_swa(idx)  # a window layer
         k = pool.get_key_buffer(layer)[idx].to(self.dtype)
         if self.cache.config.geometry.model in (ModelKind.MLA, ModelKind.DSA):
             return k, None  # the latent holds both
@@ -102,13 +104,17 @@ class Server:
             if dsa:
                 checks.append(("index_head_dim", mc.index_head_dim, c.index_head_dim))
         else:
+            swa = hasattr(mc, "sliding_window")
             checks = [
-                ("cache kind", "mha", c.model),
+                ("cache kind", "swa" if swa else "mha", c.model),
                 ("layers", mc.num_layers, c.num_layers),
                 ("KV heads", mc.num_kv_heads, c.head_num),
                 ("head_dim", mc.head_dim, c.head_dim),
                 ("V head_dim", mc.head_dim, c.v_head_dim or c.head_dim),
             ]
+            if swa:
+                checks.append(("full_layer_every", mc.full_layer_every, c.full_layer_every))
+                checks.append(("sliding_window", mc.sliding_window, c.sliding_window))
         for what, m, k in checks:
             if m != k:
                 raise InvalidArgumentError(

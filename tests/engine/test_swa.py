@@ -1,0 +1,117 @@
+"""Issue 14: the sliding-window variant of the reference model on a sliding-window pool. KV
+restored into both sub-pools from every tier gives the no-cache logits bit for bit; corrupting a
+restored token's window-layer KV inside the window, or its full-layer KV, changes them, while a
+window layer's KV of a token every query's window has left cannot (the window is real, and that
+KV is what a window-aware cache may drop)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_kv.cache import TieredKVCache
+from tiered_kv.device.swa_pool import SWAKVPool
+from tiered_kv.engine.serve import PagedKV, Server
+from tiered_kv.engine.swa import SWAModelConfig, TinySWA
+from tiered_kv.errors import InvalidArgumentError
+
+from .test_serve import (
+    Recorder,
+    aligned,
+    cache_config,
+    check_against_no_cache,
+    diverging,
+    no_cache,
+    serve,
+    tier_counts,
+    tokens,
+)
+
+SWA = SWAModelConfig(
+    vocab_size=256, hidden=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate=96, seed=7, sliding_window=12, full_layer_every=2,
+)  # fmt: skip
+
+
+@pytest.fixture
+def make_cache(tmp_path, request):
+    def make(**changes) -> TieredKVCache:
+        opts = dict(model="swa", sliding_window=12, full_layer_every=2)
+        opts.update(changes)
+        cache = TieredKVCache(cache_config(tmp_path, SWA, **opts))
+        request.addfinalizer(cache.close)
+        return cache
+
+    return make
+
+
+def move(cache: TieredKVCache, tier: str) -> None:
+    cache.drain()
+    if tier == "host":
+        cache.manager.evict_device(1 << 30)
+    elif tier == "storage":
+        cache.clear_tree()
+    cache.drain()
+    if tier != "device":
+        for b in cache.device_pool.buffers():
+            b.view(torch.uint8).fill_(0x5C)
+    if tier == "storage":
+        for m in cache.host_pool.members:
+            m.buffer.view(torch.uint8).fill_(0x5C)
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "storage"])
+def test_both_sub_pools_restored_from_each_tier_are_bitwise(make_cache, gen, tier):
+    cache = make_cache()
+    assert isinstance(cache.device_pool, SWAKVPool)
+    server = Server(Recorder(TinySWA(SWA)), cache)
+    shared = tokens(gen, 45)
+    p1 = shared + tokens(gen, 11)
+    p2 = diverging(gen, shared, p1, 7)
+    check_against_no_cache(server, p1, serve(server, p1, 3), bitwise=True)
+    move(cache, tier)
+    s = serve(server, p2, 3)
+    expected = {"device": 0, "host": 0, "storage": 0}
+    expected[tier] = aligned(len(shared), 16)
+    assert tier_counts(s.record) == expected
+    check_against_no_cache(server, p2, s, bitwise=True)
+
+
+@pytest.mark.parametrize(
+    "corrupt, changes",
+    [(None, False), ("window-in", True), ("full", True), ("window-out", False)],
+)
+def test_what_a_corrupted_restored_slot_changes(make_cache, gen, corrupt, changes):
+    page = 8
+    cache = make_cache(page_size=page, prefetch_threshold=page)
+    model = TinySWA(SWA)
+    server = Server(Recorder(model), cache)
+    shared = tokens(gen, 32)
+    serve(server, shared + tokens(gen, 9), 1)
+    move(cache, "host")
+    p2 = diverging(gen, shared, shared + [1], 7)
+    req = cache.begin(p2)
+    assert req.prefix_len == 32 and req.hits.host == 32
+    cache.extend(req, p2[32:])
+    pool, full = cache.device_pool, req.slots
+    if corrupt == "full":  # layer 0 is full attention: every later query reads token 3
+        pool.get_key_buffer(0)[int(full[3])] += 0.25
+    elif corrupt is not None:  # layer 1 is a window layer (window 12; queries from 32 on)
+        token = 30 if corrupt == "window-in" else 5
+        swa = cache.allocator.translate_loc_from_full_to_swa(full[token : token + 1])
+        pool.get_key_buffer(1)[int(swa)] += 0.25
+    logits = model.forward(torch.tensor(p2[32:]), 32, PagedKV(cache, req), page)
+    cache.abort(req)
+    ref, _ = no_cache(model, p2, [], page)
+    assert torch.equal(logits, ref[32:]) is not changes, corrupt
+
+
+def test_config_and_server_checks(make_cache):
+    with pytest.raises(InvalidArgumentError, match="full_layer_every"):
+        SWAModelConfig(full_layer_every=1)
+    with pytest.raises(InvalidArgumentError, match="num_layers=1"):
+        SWAModelConfig(num_layers=1)
+    with pytest.raises(InvalidArgumentError, match="sliding_window"):
+        Server(TinySWA(SWA), make_cache(sliding_window=16))
+    with pytest.raises(InvalidArgumentError, match="cache kind"):
+        Server(TinySWA(SWA), make_cache(model="mha"))
