@@ -28,12 +28,8 @@ from tiered_kv import platform
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
-from tiered_kv.device.allocator.paged import (
-    PagedTokenToKVPoolAllocator,
-    num_decode_pages,
-    num_new_pages,
-)
-from tiered_kv.device.allocator.token import TokenToKVPoolAllocator
+from tiered_kv.device.allocator.paged import num_decode_pages, num_new_pages
+from tiered_kv.device.allocator.peer_table import new_peer_table, release_peers, sub_allocator
 from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.device.sizing import AllocSizingConfig
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
@@ -63,23 +59,13 @@ class HiSparseTokenToKVPoolAllocator(CapacityHooks):
         debug = platform.debug_mode() if debug_mode is None else bool(debug_mode)
 
         def make(n: int, pool: KVCache | None):
-            if page_size == 1:
-                return TokenToKVPoolAllocator(
-                    n, dtype, self.device, pool, need_sort, debug_mode=debug
-                )
-            return PagedTokenToKVPoolAllocator(
-                n, page_size, dtype, self.device, pool, need_sort,
-                debug_mode=debug, kernel_backend=kernel_backend,
-            )  # fmt: skip
+            return sub_allocator(
+                n, page_size, dtype, self.device, pool, need_sort, debug, kernel_backend
+            )
 
         self.logical_allocator = make(size * self.ratio, None)
         self.device_allocator = make(size, kvcache)
-        self.logical_to_device = torch.cat(
-            [
-                torch.zeros(size * self.ratio + page_size, dtype=torch.int64, device=self.device),
-                torch.full((1,), -1, dtype=torch.int64, device=self.device),
-            ]
-        )
+        self.logical_to_device = new_peer_table(size * self.ratio + page_size, self.device)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -241,12 +227,7 @@ class HiSparseTokenToKVPoolAllocator(CapacityHooks):
         check_index("logical", logical, self.logical_allocator)
         if logical.numel() == 0:
             return
-        idx = logical.to(torch.int64)
-        dev = self.logical_to_device[idx]
-        self.logical_to_device[idx] = 0
-        dev = dev[dev > 0]
-        if dev.numel():
-            self.device_allocator.free(dev)
+        release_peers(self.logical_to_device, logical.to(torch.int64), self.device_allocator)
 
     def free_device_slots(self, device_slots: torch.Tensor) -> None:
         """Give back device slots a caller holds directly (a request's buffer)."""

@@ -32,12 +32,8 @@ from tiered_kv.device.allocator import debug
 from tiered_kv.device.allocator.base import AllocatorState
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
-from tiered_kv.device.allocator.paged import (
-    PagedTokenToKVPoolAllocator,
-    num_decode_pages,
-    num_new_pages,
-)
-from tiered_kv.device.allocator.token import TokenToKVPoolAllocator
+from tiered_kv.device.allocator.paged import num_decode_pages, num_new_pages
+from tiered_kv.device.allocator.peer_table import new_peer_table, release_peers, sub_allocator
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.device.sizing import AllocSizingConfig
 from tiered_kv.device.swa_pool import SWAKVPool
@@ -105,23 +101,13 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
         self.size_full = size
         self.swa_req_ring, self.swa_ring_cost_tokens = self._ring, self._ring_cost
         # Trailing -1: a last_loc of -1 (no prefix) indexes it, so the window side sees -1.
-        self.full_to_swa_index_mapping = torch.cat(
-            [
-                torch.zeros(size + page_size, dtype=torch.int64, device=self.device),
-                torch.full((1,), -1, dtype=torch.int64, device=self.device),
-            ]
-        )
+        self.full_to_swa_index_mapping = new_peer_table(size + page_size, self.device)
         kvcache.register_mapping(self.full_to_swa_index_mapping)
 
     def _sub(self, size, dtype, pool, need_sort, debug, kernel_backend):
-        if self.page_size == 1:
-            return TokenToKVPoolAllocator(
-                size, dtype, self.device, pool, need_sort, debug_mode=debug
-            )
-        return PagedTokenToKVPoolAllocator(
-            size, self.page_size, dtype, self.device, pool, need_sort,
-            debug_mode=debug, kernel_backend=kernel_backend,
-        )  # fmt: skip
+        return sub_allocator(
+            size, self.page_size, dtype, self.device, pool, need_sort, debug, kernel_backend
+        )
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -327,11 +313,7 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
             base = free_index.to(torch.int64) // self.page_size * self.page_size
             offsets = torch.arange(self.page_size, dtype=torch.int64, device=base.device)
             entries = (base[:, None] + offsets).reshape(-1)
-        peers = self.full_to_swa_index_mapping[entries]
-        self.full_to_swa_index_mapping[entries] = 0
-        peers = peers[peers > 0]
-        if peers.numel():
-            self.swa_attn_allocator.free(peers)
+        release_peers(self.full_to_swa_index_mapping, entries, self.swa_attn_allocator)
 
     def free_full(self, free_index: torch.Tensor) -> None:
         """Release full slots whose window peers are already gone (``free_swa`` or ring)."""
