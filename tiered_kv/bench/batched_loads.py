@@ -16,13 +16,12 @@ one result is ok; a mismatch is a ``verify.fail`` (``TransferError``).
 
 from __future__ import annotations
 
-import gc
 import random
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.bench.layerwise import time_layer_reads
 from tiered_kv.bench.machine import noise_check
 from tiered_kv.bench.timing import device_sync, interleave, median, timed
 from tiered_kv.bench.transfer import Geometry, make_allocator, make_pool
@@ -125,21 +124,7 @@ def measure_batched(
                 TransferJob.load(next(ids), h.clone(), d.clone())
                 for h, d in zip(r.host, r.dst, strict=True)
             ]
-        gc.disable()
-        try:
-            t = time.perf_counter()
-            for job in jobs:
-                worker.submit(job)
-            pool.get_key_buffer(first)
-            pool.get_value_buffer(first)
-            sync()
-            t_first = time.perf_counter() - t
-            pool.get_key_buffer(last)
-            pool.get_value_buffer(last)
-            sync()
-            t_all = time.perf_counter() - t
-        finally:
-            gc.enable()
+        t_first, t_all = time_layer_reads(worker, jobs, pool, first, last, sync)
         worker.wait([j.job_id for j in jobs])
         got = sorted((x.job_id, x.ok) for x in worker.poll())
         want = [(j.job_id, True) for j in jobs]

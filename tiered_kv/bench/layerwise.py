@@ -108,20 +108,7 @@ def measure_layerwise(
         # into a new tensor): the host pool prepares the transfer anew, as in serving, instead
         # of reusing what the all-layer copy of this round prepared for the same tensors.
         job = TransferJob.load(r.job_id, r.host.clone(), r.dst.clone())
-        gc.disable()
-        try:
-            t = time.perf_counter()
-            worker.submit(job)
-            pool.get_key_buffer(first)
-            pool.get_value_buffer(first)
-            sync()
-            t_first = time.perf_counter() - t
-            pool.get_key_buffer(last)
-            pool.get_value_buffer(last)
-            sync()
-            t_all = time.perf_counter() - t
-        finally:
-            gc.enable()
+        t_first, t_all = time_layer_reads(worker, [job], pool, first, last, sync)
         worker.wait([r.job_id])
         results = [(x.job_id, x.ok) for x in worker.poll()]
         if results != [(r.job_id, True)]:
@@ -147,6 +134,26 @@ def measure_layerwise(
         len(got["full"]),
         list(noise_check(got["full"]).reasons),
     )
+
+
+def time_layer_reads(worker, jobs, pool, first: int, last: int, sync) -> tuple[float, float]:
+    """Submit ``jobs`` and time until the first layer's, then the last layer's, K and V
+    buffers are readable (the device pool's waits on the layer-done counter), GC off."""
+    gc.disable()
+    try:
+        t = time.perf_counter()
+        for job in jobs:
+            worker.submit(job)
+        pool.get_key_buffer(first)
+        pool.get_value_buffer(first)
+        sync()
+        t_first = time.perf_counter() - t
+        pool.get_key_buffer(last)
+        pool.get_value_buffer(last)
+        sync()
+        return t_first, time.perf_counter() - t
+    finally:
+        gc.enable()
 
 
 def _check(layout: str, pool, layer_ids, r: _Round) -> None:
