@@ -122,8 +122,15 @@ class Model:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.cache.device_pool
-        k = torch.stack([pool.get_key_buffer(i)[slots] for i in range(self.layers)])
-        v = torch.stack([pool.get_value_buffer(i)[slots] for i in range(self.layers)])
+        window = getattr(pool, "layers_mapping", {})
+
+        def at(i: int) -> torch.Tensor:  # a sliding-window pool's window layers: window slots
+            if window.get(i, (0, False))[1]:
+                return self.cache.allocator.translate_loc_from_full_to_swa(slots.to(torch.int64))
+            return slots
+
+        k = torch.stack([pool.get_key_buffer(i)[at(i)] for i in range(self.layers)])
+        v = torch.stack([pool.get_value_buffer(i)[at(i)] for i in range(self.layers)])
         return k, v
 
     def check(self, req, end: int | None = None) -> None:

@@ -200,12 +200,15 @@ class Live:
 class Campaign:
     """The serving loop under faults, with the oracle's counts (``n``) and tier hits."""
 
-    def __init__(self, tmp_path, seed: int, write_policy: str, prefetch_policy: str) -> None:
+    def __init__(
+        self, tmp_path, seed: int, write_policy: str, prefetch_policy: str, kind: str = "mha"
+    ) -> None:
         self.rng = random.Random(seed)
         self.faults = Faults(seed, rate=0.1)
         # Half the seeds break the copy engine's jobs (which the kernel io backend uses), half
-        # the host pool's copy methods.
-        self.engine = seed % 2 == 1
+        # the host pool's copy methods. A sliding-window pool's host group has no engine path.
+        self.engine = seed % 2 == 1 and kind == "mha"
+        window = dict(model="swa", full_layer_every=2) if kind == "swa" else {}
         io = IOBackend.KERNEL.value if self.engine else self.rng.choice(IOBackend.values())
         self.config = make_config(
             tmp_path,
@@ -221,6 +224,7 @@ class Campaign:
             storage_batch_pages=2,
             host_layout=self.rng.choice(HostLayout.values()),
             io_backend=io,
+            **window,
         )
         counts = (
             "begins",
@@ -241,6 +245,11 @@ class Campaign:
 
     def _open(self) -> TieredKVCache:
         cache = TieredKVCache(self.config)
+        if self.config.geometry.model == "swa":
+            # Window slots must differ from full slots (else a wrong-pool index goes unseen).
+            assert cache.allocator.swa_attn_allocator.alloc(3 * self.config.page_size) is not None
+            cache._initial = cache.free_sizes()  # the reserved pages are nobody's to return
+            cache.manager._device0 = cache.allocator.available_size()
         inject(cache, self.faults, self.engine)
         probe = cache.manager.probe_storage
 
@@ -427,9 +436,19 @@ def campaign_seed(gen: torch.Generator) -> int:
 @pytest.mark.parametrize("prefetch_policy", PrefetchPolicy.values())
 @pytest.mark.parametrize("write_policy", WritePolicy.values())
 def test_fault_campaign_serves_only_exact_kv(tmp_path, gen, write_policy, prefetch_policy):
+    run_campaign(tmp_path, gen, write_policy, prefetch_policy, "mha")
+
+
+@pytest.mark.parametrize("prefetch_policy", PrefetchPolicy.values())
+def test_fault_campaign_on_a_sliding_window_pool(tmp_path, gen, prefetch_policy):
+    """Issue 14: the same campaign on full and window sub-pools moved as one host group."""
+    run_campaign(tmp_path, gen, WritePolicy.WRITE_THROUGH.value, prefetch_policy, "swa")
+
+
+def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):
     seed = campaign_seed(gen)
-    print(f"fault campaign seed {seed} (TIERED_KV_CAMPAIGN_SEED={seed})")
-    c = Campaign(tmp_path, seed, write_policy, prefetch_policy)
+    print(f"fault campaign seed {seed} (TIERED_KV_CAMPAIGN_SEED={seed}), {kind} pool")
+    c = Campaign(tmp_path, seed, write_policy, prefetch_policy, kind)
     print(
         f"host layout {c.config.host.host_layout}, io backend {c.config.host.io_backend}, "
         f"faults in {'copy-engine jobs' if c.engine else 'the copy methods'}"

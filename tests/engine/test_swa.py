@@ -40,6 +40,11 @@ def make_cache(tmp_path, request):
         opts.update(changes)
         cache = TieredKVCache(cache_config(tmp_path, SWA, **opts))
         request.addfinalizer(cache.close)
+        # Window slots must differ from full slots, or a read or write at the wrong sub-pool
+        # index would go unnoticed: take a few window pages for good.
+        page = cache.config.device.page_size
+        if hasattr(cache.allocator, "swa_attn_allocator"):
+            assert cache.allocator.swa_attn_allocator.alloc(3 * page) is not None
         return cache
 
     return make

@@ -33,6 +33,7 @@ def rig(layout):
         64, 48, PAGE, torch.float16, "cpu", pool, debug_mode=True, kernel_backend="torch"
     )
     group = HostPoolGroup(pool.host_pool_decls(), alloc, layout=layout, size_tokens=64)
+    assert alloc.swa_attn_allocator.alloc(3 * PAGE) is not None  # window slots != full slots
     return pool, alloc, group
 
 
