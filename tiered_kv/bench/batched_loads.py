@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiered_kv.bench.layerwise import time_layer_reads
+from tiered_kv.bench.layerwise import load_rig, time_layer_reads
 from tiered_kv.bench.machine import noise_check
 from tiered_kv.bench.timing import device_sync, interleave, median, timed
-from tiered_kv.bench.transfer import Geometry, make_allocator, make_pool
-from tiered_kv.bench.verify import fail, fill_random, int_view
+from tiered_kv.bench.transfer import Geometry
+from tiered_kv.bench.verify import fail, int_view
 from tiered_kv.errors import InvalidArgumentError, TransferError
-from tiered_kv.host import host_pool_for
-from tiered_kv.transfer import DeviceHostTransfer, TransferJob
+from tiered_kv.transfer import TransferJob
 
 WARMUP_ROUNDS = 1
 
@@ -83,14 +82,7 @@ def measure_batched(
     seed: int = 0,
 ) -> BatchRow:
     lengths = split_tokens(tokens, requests, page_size, seed)
-    size = 2 * tokens + 4 * page_size
-    size -= size % page_size
-    pool = make_pool(geom, size, page_size, device)
-    alloc = make_allocator(pool, size)
-    fill_random(pool.buffers(), seed, device)
-    (decl,) = pool.host_pool_decls()
-    host = host_pool_for(decl, alloc, layout=layout, size_tokens=tokens + 2 * page_size)
-    worker = DeviceHostTransfer(alloc, host, io_backend="kernel")
+    pool, alloc, decl, host, worker = load_rig(geom, layout, tokens, page_size, device, seed)
     sync = device_sync(device)
     first, last = decl.layer_ids[0], decl.layer_ids[-1]
     ids = iter(range(1, 1 << 62))

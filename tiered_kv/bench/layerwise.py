@@ -80,14 +80,7 @@ def measure_layerwise(
     seed: int = 0,
 ) -> Row:
     """Median ``full``, ``layer0`` and ``all`` times of ``repeats`` rounds for one layout."""
-    size = 2 * tokens + 4 * page_size
-    size -= size % page_size
-    pool = make_pool(geom, size, page_size, device)
-    alloc = make_allocator(pool, size)
-    fill_random(pool.buffers(), seed, device)
-    (decl,) = pool.host_pool_decls()
-    host = host_pool_for(decl, alloc, layout=layout, size_tokens=tokens + 2 * page_size)
-    worker = DeviceHostTransfer(alloc, host, io_backend="kernel")
+    pool, alloc, decl, host, worker = load_rig(geom, layout, tokens, page_size, device, seed)
     sync = device_sync(device)
     first, last = decl.layer_ids[0], decl.layer_ids[-1]
 
@@ -134,6 +127,20 @@ def measure_layerwise(
         len(got["full"]),
         list(noise_check(got["full"]).reasons),
     )
+
+
+def load_rig(geom: Geometry, layout: str, tokens: int, page_size: int, device, seed: int):
+    """A device pool of random bits with room for two prefixes of ``tokens``, its allocator,
+    declaration, a host pool holding one prefix and a transfer worker:
+    (pool, alloc, decl, host, worker)."""
+    size = 2 * tokens + 4 * page_size
+    size -= size % page_size
+    pool = make_pool(geom, size, page_size, device)
+    alloc = make_allocator(pool, size)
+    fill_random(pool.buffers(), seed, device)
+    (decl,) = pool.host_pool_decls()
+    host = host_pool_for(decl, alloc, layout=layout, size_tokens=tokens + 2 * page_size)
+    return pool, alloc, decl, host, DeviceHostTransfer(alloc, host, io_backend="kernel")
 
 
 def time_layer_reads(worker, jobs, pool, first: int, last: int, sync) -> tuple[float, float]:
