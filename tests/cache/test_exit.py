@@ -51,13 +51,16 @@ def test_exit_without_close_keeps_the_exit_status(tmp_path, storage, status):
 # Registered before the cache exists, so it runs after the cache's own exit hooks (last
 # registered, first run): by then no tiered-kv thread may still be running Python or torch code.
 # (The abort itself is a race that a run hits ~3% of the time; the live threads are certain.)
-THREADS_AT_EXIT = """
+THREADS_AT_EXIT = (
+    """
 import atexit, sys, threading
 def report():
     alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("tiered-kv"))
     sys.stderr.write("ALIVE " + ",".join(alive) + "\\n")
 atexit.register(report)
-""" + SCRIPT
+"""
+    + SCRIPT
+)
 
 
 @pytest.mark.parametrize("storage", [False, True])

@@ -19,6 +19,7 @@ import torch
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.device.dsa_pool import quantize_index_k
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage import SlabStorage, value_format
 from tiered_kv.storage.keys import page_keys
@@ -85,7 +86,9 @@ class Model:
         c = cache.config.geometry
         self.layers = c.num_layers
         self.dtype = c.torch_dtype
-        self.mla = c.model == "mla"
+        self.mla = c.model in ("mla", "dsa")
+        self.dsa = c.model == "dsa"  # plus an indexer key per token, compared as stored rows
+        self.index_dim = c.index_head_dim
         if self.mla:  # one latent per token; V is its first kv_lora_rank columns
             self.k_shape = (c.num_layers, 1, c.kv_lora_rank + c.qk_rope_head_dim)
             self.v_cols = c.kv_lora_rank
@@ -99,7 +102,9 @@ class Model:
         kv = self._kv.get(prefix)
         if kv is None:
             k = torch.randn(self.k_shape, generator=self.gen).to(self.dtype)
-            if self.mla:
+            if self.dsa:  # "V" is the indexer key (float), stored quantized
+                v = torch.randn(self.layers, self.index_dim, generator=self.gen) * 4
+            elif self.mla:
                 v = k[..., : self.v_cols]
             else:
                 v = torch.randn(self.v_shape, generator=self.gen).to(self.dtype)
@@ -107,7 +112,17 @@ class Model:
         return kv
 
     def expected(self, tokens, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``tokens[start:end]``: [layers, end - start, heads, dim]."""
+        """K and V of ``tokens[start:end]``: [layers, end - start, heads, dim] (for DSA the
+        indexer keys' stored rows in place of V)."""
+        k, v = self.produced(tokens, start, end)
+        if self.dsa and end > start:
+            v = torch.stack([quantize_index_k(v[layer]) for layer in range(self.layers)])
+        elif self.dsa:
+            v = torch.empty((self.layers, 0, 0))
+        return k, v
+
+    def produced(self, tokens, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the model computes for ``tokens[start:end]`` (DSA: raw indexer keys as V)."""
         ks, vs = [], []
         for i in range(start, end):
             k, v = self._token(tuple(tokens[: i + 1]))
@@ -122,6 +137,10 @@ class Model:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.cache.device_pool
+        if self.dsa:
+            k = torch.stack([pool.get_key_buffer(i)[slots] for i in range(self.layers)])
+            rows = [pool.get_index_k_with_scale_buffer(i)[slots] for i in range(self.layers)]
+            return k, (torch.stack(rows) if len(slots) else torch.empty((self.layers, 0, 0)))
         window = getattr(pool, "layers_mapping", {})
 
         def at(i: int) -> torch.Tensor:  # a sliding-window pool's window layers: window slots
@@ -145,10 +164,16 @@ class Model:
         start = len(req.tokens)
         slots = self.cache.extend(req, tokens)
         assert len(slots) == len(tokens)
-        k, v = self.expected(req.tokens, start, len(req.tokens))
+        self.write(req.tokens, start, len(req.tokens), slots)
+        return slots
+
+    def write(self, tokens, start: int, end: int, slots: torch.Tensor) -> None:
+        """The model's writes of ``tokens[start:end]`` at ``slots``, every layer."""
+        k, v = self.produced(tokens, start, end)
         for layer in range(self.layers):
             self.cache.write_kv(layer, slots, k[layer], None if self.mla else v[layer])
-        return slots
+            if self.dsa:
+                self.cache.write_index_k(layer, slots, v[layer])
 
     def begin(self, prompt):
         req = self.cache.begin(prompt)

@@ -206,9 +206,12 @@ class Campaign:
         self.rng = random.Random(seed)
         self.faults = Faults(seed, rate=0.1)
         # Half the seeds break the copy engine's jobs (which the kernel io backend uses), half
-        # the host pool's copy methods. A sliding-window pool's host group has no engine path.
+        # the host pool's copy methods. A host pool group (SWA, DSA) has no engine path.
         self.engine = seed % 2 == 1 and kind == "mha"
-        window = dict(model="swa", full_layer_every=2) if kind == "swa" else {}
+        window = {
+            "swa": dict(model="swa", full_layer_every=2),
+            "dsa": dict(model="dsa", kv_lora_rank=16, qk_rope_head_dim=8),
+        }.get(kind, {})
         io = IOBackend.KERNEL.value if self.engine else self.rng.choice(IOBackend.values())
         self.config = make_config(
             tmp_path,
@@ -357,9 +360,7 @@ class Campaign:
         elif live.decode_left:
             live.decode_left -= 1
             slot = self.cache.decode(req, rng.randrange(50_000))
-            k, v = self.model.expected(req.tokens, len(req.tokens) - 1, len(req.tokens))
-            for layer in range(self.model.layers):
-                self.cache.write_kv(layer, slot, k[layer], v[layer])
+            self.model.write(req.tokens, len(req.tokens) - 1, len(req.tokens), slot)
         else:
             try:
                 self.cache.prepare_forward(req)  # the whole sequence, as the last forward reads
@@ -443,6 +444,13 @@ def test_fault_campaign_serves_only_exact_kv(tmp_path, gen, write_policy, prefet
 def test_fault_campaign_on_a_sliding_window_pool(tmp_path, gen, prefetch_policy):
     """Issue 14: the same campaign on full and window sub-pools moved as one host group."""
     run_campaign(tmp_path, gen, WritePolicy.WRITE_THROUGH.value, prefetch_policy, "swa")
+
+
+@pytest.mark.parametrize("prefetch_policy", PrefetchPolicy.values())
+def test_fault_campaign_on_a_dsa_pool(tmp_path, gen, prefetch_policy):
+    """Issue 14: latents and indexer keys (two declared host pools moved and stored as one)
+    under the same faults; every served token's latent and indexer row is checked."""
+    run_campaign(tmp_path, gen, WritePolicy.WRITE_THROUGH.value, prefetch_policy, "dsa")
 
 
 def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):
