@@ -1,0 +1,304 @@
+"""Issue 14 (HiSparse): HiSparseSwapper keeps every token's latent and indexer key on the host
+and swaps only the selected tokens into a request's fixed device buffer, per layer.
+
+Random bits everywhere (NaN payloads included, so bytes are compared as uint8), irregular sizes
+and page sizes 1 and 4. After every step of a random decode loop, in every layer, each buffer
+slot marked as holding a token holds exactly that token's bytes (the oracle is a copy of what
+was written, kept outside the pools); the slots returned for the selected positions hold their
+bytes; hits + loaded count every selected token. A host -> device copy that fails at random
+(raising after writing garbage, or refused before copying) leaves those tokens non-resident,
+never marked resident over wrong bytes. Bad input raises the typed errors and changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiered_kv.device.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+from tiered_kv.device.dsa_pool import DSATokenToKVPool
+from tiered_kv.device.hisparse_index import HiSparseIndexKeys
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
+from tiered_kv.host.hisparse_swap import HiSparseSwapper
+from tiered_kv.host.pool_group import HostPoolGroup
+
+LAYERS, RANK, ROPE = 3, 13, 6
+
+
+def _t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+class Rig:
+    """A DSA pool behind a HiSparse allocator, its host group, and the bytes written."""
+
+    def __init__(self, page: int, device_pages: int, gen: torch.Generator) -> None:
+        self.page, self.gen = page, gen
+        size = device_pages * page
+        self.pool = DSATokenToKVPool(size, page, torch.bfloat16, RANK, ROPE, LAYERS)
+        self.alloc = HiSparseTokenToKVPoolAllocator(
+            size, page, torch.bfloat16, "cpu", self.pool, host_to_device_ratio=8,
+            kernel_backend="torch",
+        )  # fmt: skip
+        self.host = HostPoolGroup(
+            self.pool.host_pool_decls(), self.alloc, size_tokens=8 * size, reserve_bytes=0,
+            kernel_backend="torch",
+        )  # fmt: skip
+        self.keys = HiSparseIndexKeys(self.alloc, self.pool)
+        self.latent: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]  # by position
+        self.index: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
+
+    def write(self, dev: torch.Tensor) -> None:
+        """Random bits into every layer's latent and indexer rows of device slots ``dev``."""
+        for layer in range(LAYERS):
+            lat = self.pool.kv_buffer[layer].view(torch.uint8)
+            idx = self.pool.index_k_with_scale_buffer[layer]
+            lat[dev] = torch.randint(0, 256, lat[dev].shape, dtype=torch.uint8, generator=self.gen)
+            idx[dev] = torch.randint(0, 256, idx[dev].shape, dtype=torch.uint8, generator=self.gen)
+            self.latent[layer] += list(lat[dev].reshape(dev.numel(), -1).clone())
+            self.index[layer] += list(idx[dev].clone())
+
+    def prefill(self, n: int, buffer_size: int, host_tokens: int):
+        z = _t([0])
+        logical = self.alloc.alloc_extend(z, z.clone(), _t([n]), _t([n]), _t([-1]), n)
+        self.write(self.alloc.translate_loc(logical))
+        host = self.host.alloc(-(-host_tokens // self.page) * self.page)
+        sw = HiSparseSwapper.admit(
+            self.alloc, self.pool, self.host, self.keys, logical, host[:n], buffer_size
+        )
+        return sw, host
+
+    def decode(self, sw: HiSparseSwapper, host: torch.Tensor) -> None:
+        n = sw.num_tokens
+        seq = _t([n + 1])
+        tok = self.alloc.alloc_decode(seq, seq.clone(), sw.logical[-1:])
+        slot = sw.begin_token(tok, host[n : n + 1])
+        self.write(slot)
+        sw.commit_token()
+
+    def latent_bytes(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.pool.kv_buffer[layer].view(torch.uint8)[slots].reshape(slots.numel(), -1)
+
+    def check_resident(self, sw: HiSparseSwapper) -> None:
+        """Every slot marked as holding a token holds that token's bytes, in every layer."""
+        for layer in range(LAYERS):
+            for j, pos in enumerate(sw.resident(layer).tolist()):
+                if pos >= 0:
+                    got = self.latent_bytes(layer, sw.buffer[j : j + 1])[0]
+                    assert torch.equal(got, self.latent[layer][pos]), (layer, j, pos)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_host_holds_every_part_and_scoring_reads_every_key(gen, page):
+    rig = Rig(page, device_pages=40 // page + 3, gen=gen)
+    sw, host = rig.prefill(37, buffer_size=12, host_tokens=50)
+    for _ in range(5):
+        rig.decode(sw, host)
+    n = sw.num_tokens
+    assert n == 42
+    kv, indexer = rig.host.members
+    for layer in range(LAYERS):
+        h_lat = kv.part_view("kv")[layer].reshape(kv.size, -1).view(torch.uint8)[host[:n]]
+        h_idx = indexer.part_view("index_k_with_scale")[layer][host[:n]]
+        assert torch.equal(h_lat, torch.stack(rig.latent[layer]))
+        assert torch.equal(h_idx, torch.stack(rig.index[layer]))
+        rows = rig.keys.get_rows(layer, sw.logical)
+        assert torch.equal(rows, torch.stack(rig.index[layer]))
+    # the prefill's device slots became the buffer: the first 12 tokens stay resident
+    assert sw.resident(0).tolist() == list(range(12))
+    rig.check_resident(sw)
+    sw.release()
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_random_decode_loop_swaps_exactly_the_selected_tokens(gen, page):
+    rng = random.Random(page)
+    buffer_size = 16 if page == 4 else 11
+    rig = Rig(page, device_pages=60 // page + 4, gen=gen)
+    sw, host = rig.prefill(53, buffer_size=buffer_size, host_tokens=120)
+    total_hits = total_loaded = 0
+    for _ in range(40):
+        rig.decode(sw, host)
+        n = sw.num_tokens
+        for layer in range(LAYERS):
+            # a drifting top-k: mostly recent tokens, some far ones, each layer its own
+            k = rng.randint(0, buffer_size)
+            pool_ = list(range(max(0, n - 2 * buffer_size), n)) + rng.sample(range(n), 4)
+            sel = _t(rng.sample(sorted(set(pool_)), min(k, len(set(pool_)))))
+            before = sw.resident(layer)
+            got = sw.swap_in(layer, sel)
+            was = set(before.tolist())
+            assert got.hits == sum(int(p) in was for p in sel.tolist())
+            assert got.hits + got.loaded == sel.numel() and got.failed.numel() == 0
+            total_hits += got.hits
+            total_loaded += got.loaded
+            if sel.numel():
+                want = torch.stack([rig.latent[layer][p] for p in sel.tolist()])
+                assert torch.equal(rig.latent_bytes(layer, got.device_slots), want)
+            assert set(sel.tolist()) <= set(sw.resident(layer).tolist())
+            assert len(set(got.device_slots.tolist())) == sel.numel()
+        rig.check_resident(sw)
+    assert total_hits and total_loaded
+    assert (sw.num_hits, sw.num_loaded) == (total_hits, total_loaded)
+    free = rig.alloc.device_available_size()
+    sw.release()
+    assert rig.alloc.device_available_size() == free + buffer_size + page
+    assert int((rig.alloc.logical_to_device[:-1] != 0).sum()) == 0
+
+
+def test_the_newest_token_is_a_hit_at_the_reserved_slot(gen):
+    rig = Rig(1, device_pages=30, gen=gen)
+    sw, host = rig.prefill(20, buffer_size=5, host_tokens=30)
+    n = sw.num_tokens
+    tok = rig.alloc.alloc_decode(_t([n + 1]), _t([n + 1]), sw.logical[-1:])
+    slot = sw.begin_token(tok, host[n : n + 1])
+    rig.write(slot)
+    got = sw.swap_in(1, _t([n, 0, 19, 7, 8, 9]))  # the newest and five more: a full buffer
+    assert got.device_slots[0] == slot[0] and got.hits == 1 + 1  # token 0 was kept resident
+    assert got.loaded == 4
+    keys = sw.score_keys(2)
+    assert keys.shape == (n + 1, 128)
+    sw.commit_token()
+    assert torch.equal(keys.view(torch.uint8), sw.score_keys(2).view(torch.uint8))
+    sw.release()
+
+
+def test_failed_copies_leave_tokens_non_resident(gen, monkeypatch):
+    rng = random.Random(7)
+    rig = Rig(4, device_pages=30, gen=gen)
+    sw, host = rig.prefill(61, buffer_size=12, host_tokens=110)
+    latent = sw._latent
+    real = latent.load_to_device_per_layer
+    faults = {"raised": 0, "refused": 0}
+
+    def flaky(pool, host_indices, device_indices, layer_id, io_backend="kernel"):
+        roll = rng.random()
+        if roll < 0.15:  # refused before any byte moves (the translation says no)
+            faults["refused"] += 1
+            raise StateError("refused")
+        real(pool, host_indices, device_indices, layer_id, io_backend)
+        if roll < 0.45:  # the copy dies part-way: some rows hold garbage
+            dev = rig.alloc.translate_kv_indices_for_transfer(device_indices)
+            bad = dev[: max(1, dev.numel() // 2)]
+            raw = rig.pool.kv_buffer[layer_id].view(torch.uint8)
+            raw[bad] = torch.randint(0, 256, raw[bad].shape, dtype=torch.uint8)
+            faults["raised"] += 1
+            raise TransferError("copy failed part-way")
+
+    monkeypatch.setattr(latent, "load_to_device_per_layer", flaky)
+    failed = 0
+    for _ in range(30):
+        rig.decode(sw, host)
+        n = sw.num_tokens
+        for layer in range(LAYERS):
+            sel = _t(rng.sample(range(n), rng.randint(1, 12)))
+            got = sw.swap_in(layer, sel)
+            res = set(sw.resident(layer).tolist())
+            assert not set(got.failed.tolist()) & res  # a failed token is not resident
+            bad = torch.isin(sel, got.failed)
+            assert bool((got.device_slots[bad] == 0).all())
+            if (~bad).any():
+                want = torch.stack([rig.latent[layer][p] for p in sel[~bad].tolist()])
+                assert torch.equal(rig.latent_bytes(layer, got.device_slots[~bad]), want)
+            failed += got.failed.numel()
+            rig.check_resident(sw)
+    assert faults["raised"] and faults["refused"] and failed == sw.num_failed > 0
+    assert isinstance(sw.last_error, (StateError, TransferError))
+    monkeypatch.setattr(latent, "load_to_device_per_layer", real)
+    n = sw.num_tokens
+    got = sw.swap_in(0, _t(list(range(n - 12, n))))  # a retry after the faults: all land
+    assert got.failed.numel() == 0
+    rig.check_resident(sw)
+    assert int((rig.alloc.logical_to_device[sw.logical] != 0).sum()) == 0  # entries cleared
+
+
+def test_a_refused_translation_is_a_miss(gen, monkeypatch):
+    rig = Rig(1, device_pages=30, gen=gen)
+    sw, _ = rig.prefill(25, buffer_size=6, host_tokens=25)
+
+    def refuse(indices):
+        raise StateError("refused")
+
+    monkeypatch.setattr(rig.alloc, "translate_kv_indices_for_transfer", refuse)
+    got = sw.swap_in(0, _t([3, 20, 21]))
+    assert got.hits == 1 and got.loaded == 0 and sorted(got.failed.tolist()) == [20, 21]
+    assert not {20, 21} & set(sw.resident(0).tolist())
+    rig.check_resident(sw)
+
+
+def _state(rig: Rig, sw: HiSparseSwapper):
+    return (
+        sw.token_in.clone(), sw.last_used.clone(), rig.alloc.logical_to_device.clone(),
+        [b.view(torch.uint8).clone() for b in rig.pool.buffers()],
+        (sw.num_hits, sw.num_loaded, sw.num_failed, sw.clock, sw.newest, sw.num_tokens),
+        rig.alloc.device_available_size(),
+    )  # fmt: skip
+
+
+def _same(a, b) -> bool:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif isinstance(x, list):
+            if not all(torch.equal(p, q) for p, q in zip(x, y, strict=True)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_bad_input_raises_and_changes_nothing(gen):
+    rig = Rig(4, device_pages=20, gen=gen)
+    sw, host = rig.prefill(30, buffer_size=8, host_tokens=40)
+    sw.swap_in(0, _t([1, 25, 29]))
+    before = _state(rig, sw)
+    bad_calls = [
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([30]))),  # past the last token
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([-1]))),
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([3, 3]))),  # repeated
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t(list(range(9))))),  # > buffer
+        (InvalidArgumentError, lambda: sw.swap_in(0, torch.tensor([1.0, 2.0]))),
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([[1, 2]]))),
+        (InvalidArgumentError, lambda: sw.swap_in(LAYERS, _t([1]))),  # no such layer
+        (InvalidArgumentError, lambda: sw.swap_in(True, _t([1]))),
+        (InvalidArgumentError, lambda: sw.begin_token(_t([5, 6]), _t([30, 31]))),
+        (InvalidArgumentError, lambda: sw.begin_token(sw.logical[:1], host[30:31])),  # old token
+        (StateError, lambda: sw.commit_token()),  # nothing begun
+    ]
+    for err, call in bad_calls:
+        with pytest.raises(err):
+            call()
+        assert _same(before, _state(rig, sw))
+    sw.release()
+    with pytest.raises(StateError, match="released"):
+        sw.swap_in(0, _t([1]))
+
+
+def test_admit_checks_and_refuses_cleanly(gen):
+    rig = Rig(4, device_pages=12, gen=gen)
+    z = _t([0])
+    logical = rig.alloc.alloc_extend(z, z.clone(), _t([30]), _t([30]), _t([-1]), 30)
+    host = rig.host.alloc(32)
+    args = (rig.alloc, rig.pool, rig.host, rig.keys)
+    with pytest.raises(InvalidArgumentError, match="multiple of page_size"):
+        HiSparseSwapper.admit(*args, logical, host[:30], 6)
+    with pytest.raises(InvalidArgumentError, match="pair|one of each"):
+        HiSparseSwapper.admit(*args, logical, host[:29], 8)
+    table = rig.alloc.logical_to_device.clone()
+    free = rig.alloc.device_available_size()
+    # more than the device holds: None, the prefill's device slots untouched
+    assert HiSparseSwapper.admit(*args, logical, host[:30], 12 * 4) is None
+    assert torch.equal(table, rig.alloc.logical_to_device)
+    assert rig.alloc.device_available_size() == free
+    sw = HiSparseSwapper.admit(*args, logical, host[:30], 8)
+    assert sw is not None and rig.alloc.device_available_size() == 12 * 4 - 12
+    with pytest.raises(StateError, match="no device slot"):  # its tokens gave theirs back
+        HiSparseSwapper.admit(*args, logical, host[:30], 8)

@@ -1,0 +1,290 @@
+"""HiSparseSwapper: one request's swap-in of the tokens its sparse layers select.
+
+A sparse-attention request keeps every token's KV - every declared part: the MLA latent and,
+for DSA, the indexer key - in the host pool at its host slots, and holds on the device only a
+fixed buffer of ``buffer_size`` slots (``alloc_device_buffer``) plus one reserved page for the
+newest token. Each decode step, per layer, the indexer's top-k picks token positions;
+``swap_in`` makes exactly those resident in that layer's buffer, copies from host only the ones
+that are not (hits vs loaded), and reuses the slots of tokens no longer selected (least
+recently used first) when no slot is free.
+
+Residency is per layer: each layer's indexer selects its own tokens, so buffer slot ``j``
+holds different tokens in different layers. The allocator's ``logical_to_device`` table,
+which has one device slot per token, therefore names a swapped token's slot only while its
+copy runs: ``swap_in`` sets the entries, calls the host pool's ``load_to_device_per_layer``
+(which translates them through ``translate_kv_indices_for_transfer``, as every transfer
+does) and clears them. Only the newest token keeps its entry (the reserved slot, written by
+the model) until ``commit_token`` has backed it up.
+
+A slot is marked as holding a token only after that token's copy returned: a copy that
+raises (or a translation that refuses) leaves every token of it non-resident - a counted
+miss reported in ``SwapIn.failed``, with device slot 0 (the padding sink), never another
+token's bytes. The tokens that the slots held before were already dropped.
+
+Scoring reads the indexer keys of every token from the device (``HiSparseIndexKeys``: they
+are ~10% of the latent's bytes, and reading them from host every step would move every
+earlier token's keys over the host link per layer); their host copy is kept for the other
+tiers (eviction, storage), not for scoring.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tiered_kv._checks import check_index_tensor, check_positive_int
+from tiered_kv.device.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+from tiered_kv.device.hisparse_index import HiSparseIndexKeys
+from tiered_kv.device.mla_pool import MLATokenToKVPool
+from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.host.host_kv_cache import HostKVCache
+from tiered_kv.host.pool_group import HostPoolGroup
+
+_CPU = torch.device("cpu")
+HostPool = HostPoolGroup | HostKVCache  # DSA: the latent and indexer members; MLA: one pool
+
+
+class SwapIn(NamedTuple):
+    device_slots: torch.Tensor  # per selected position: its device slot, 0 where it failed
+    hits: int  # already resident (the newest token included)
+    loaded: int  # copied in from host now
+    failed: torch.Tensor  # positions whose copy failed: non-resident, read nothing for them
+
+
+class HiSparseSwapper:
+    """The swap-in path of one admitted request (build it with :meth:`admit`)."""
+
+    def __init__(
+        self,
+        allocator: HiSparseTokenToKVPoolAllocator,
+        pool: MLATokenToKVPool,
+        host: HostPool,
+        index_keys: HiSparseIndexKeys | None,
+        logical: torch.Tensor,
+        host_slots: torch.Tensor,
+        buffer: torch.Tensor,
+        kept: int,
+    ) -> None:
+        """Use :meth:`admit`: it validates, stages and takes the buffer."""
+        self.allocator = allocator
+        self.pool, self.host, self.index_keys = pool, host, index_keys
+        self._latent = _latent_member(host)
+        self.logical, self.host_slots = logical, host_slots  # by position, CPU int64
+        self.buffer = buffer  # device slots: buffer_size swap slots, then the reserved page
+        self._buffer_cpu = buffer.to(_CPU, torch.int64)  # for the bookkeeping
+        self.buffer_size = buffer.numel() - allocator.page_size
+        self.reserved = buffer[self.buffer_size :][:1]  # the newest token's device slot
+        layers = pool.layer_num
+        self.token_in = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
+        self.token_in[:, :kept] = torch.arange(kept)  # prefill rows kept in place, all layers
+        self.last_used = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
+        self.newest: int | None = None
+        self.clock = 0
+        self.num_hits = self.num_loaded = self.num_failed = 0
+        self.last_error: BaseException | None = None
+        self.released = False
+
+    @classmethod
+    def admit(
+        cls,
+        allocator: HiSparseTokenToKVPoolAllocator,
+        pool: MLATokenToKVPool,
+        host: HostPool,
+        index_keys: HiSparseIndexKeys | None,
+        logical: torch.Tensor,
+        host_slots: torch.Tensor,
+        buffer_size: int,
+    ) -> HiSparseSwapper | None:
+        """After a prefill wrote the request's tokens at their device slots (``logical``,
+        each with a device slot): back every part up to ``host_slots``, copy the indexer
+        rows into ``index_keys``, and turn the device slots into a buffer of ``buffer_size``
+        slots (a multiple of the page size) plus a reserved page. The first prefill tokens
+        stay resident where their slots were kept. Returns None, with the device slots
+        untouched (their host copy made), when the device cannot hold the buffer. Raises
+        InvalidArgumentError / StateError on bad input before changing anything."""
+        p = allocator.page_size
+        check_positive_int("buffer_size", buffer_size)
+        if buffer_size % p:
+            raise InvalidArgumentError(
+                f"buffer_size={buffer_size} must be a multiple of page_size={p}"
+            )
+        if pool is not allocator.get_kvcache():
+            raise InvalidArgumentError("pool is not the allocator's device pool")
+        check_index_tensor("logical", logical, allocator.device)
+        check_index_tensor("host_slots", host_slots, _CPU)
+        if logical.numel() != host_slots.numel() or logical.numel() == 0:
+            raise InvalidArgumentError(
+                f"logical has {logical.numel()} slots and host_slots {host_slots.numel()}; "
+                "give every token of the request one of each (at least one token)"
+            )
+        _latent_member(host)  # raises when the host pool holds no latent
+        dev = allocator.translate_kv_indices_for_transfer(logical)  # raises: no device slot
+        host.backup_from_device_all_layer(pool, host_slots, logical)
+        if index_keys is not None:
+            index_keys.copy_from_device(logical, dev)
+        buffer = allocator.alloc_device_buffer(logical, buffer_size + p)
+        if buffer is None:
+            return None
+        kept = min(buffer_size, logical.numel())
+        return cls(
+            allocator, pool, host, index_keys, logical.to(_CPU, torch.int64),
+            host_slots.to(torch.int64), buffer, kept,
+        )  # fmt: skip
+
+    # -- the newest token -----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self.logical.numel()
+
+    def begin_token(self, logical: torch.Tensor, host_slot: torch.Tensor) -> torch.Tensor:
+        """A decode token (its logical slot from ``alloc_decode``, its host slot): it gets the
+        reserved device slot, returned, where the model writes its latent and indexer key;
+        it is resident in every layer until :meth:`commit_token`. Mutates the table entry."""
+        self._live()
+        if self.newest is not None:
+            raise StateError("the previous token is not committed; call commit_token first")
+        check_index_tensor("logical", logical, self.allocator.device)
+        check_index_tensor("host_slot", host_slot, _CPU)
+        if logical.numel() != 1 or host_slot.numel() != 1:
+            raise InvalidArgumentError("begin_token takes one logical slot and one host slot")
+        if bool(torch.isin(logical.to(_CPU, torch.int64), self.logical).any()):
+            raise InvalidArgumentError(f"logical slot {logical.tolist()} is already a token here")
+        if bool((self.allocator.translate_loc(logical.to(torch.int64)) != 0).any()):
+            raise StateError(f"logical slot {logical.tolist()} already has a device slot")
+        slot = self.reserved
+        self.allocator.logical_to_device[logical.to(torch.int64)] = slot
+        self.logical = torch.cat([self.logical, logical.to(_CPU, torch.int64)])
+        self.host_slots = torch.cat([self.host_slots, host_slot.to(torch.int64)])
+        self.newest = self.num_tokens - 1
+        return slot
+
+    def commit_token(self) -> None:
+        """Back the newest token's every part up to its host slot and its indexer row into
+        ``index_keys``; then it is a host token like the others and its table entry is
+        cleared. A failed backup raises and leaves the token pending (call again)."""
+        self._live()
+        if self.newest is None:
+            raise StateError("no token to commit; call begin_token first")
+        lg = self.logical[-1:].to(self.allocator.device)
+        self.host.backup_from_device_all_layer(self.pool, self.host_slots[-1:], lg)
+        if self.index_keys is not None:
+            self.index_keys.copy_from_device(lg, self.reserved)
+        self.allocator.logical_to_device[lg] = 0
+        self.newest = None
+
+    # -- scoring and swap-in --------------------------------------------------------------------
+    def score_keys(self, layer_id: int) -> torch.Tensor:
+        """Dequantized indexer keys of every token of the request in ``layer_id``, by position
+        (the newest one from its device slot): what the indexer scores."""
+        self._live()
+        if self.index_keys is None:
+            raise StateError("this swapper was admitted without index_keys")
+        n = self.num_tokens - (self.newest is not None)
+        keys = self.index_keys.get_index_k(layer_id, self.logical[:n].to(self.pool.device))
+        if self.newest is None:
+            return keys
+        return torch.cat([keys, self.pool.get_index_k(layer_id, self.reserved)])
+
+    def swap_in(self, layer_id: int, positions: torch.Tensor) -> SwapIn:
+        """Make the tokens at ``positions`` (unique, CPU int, at most ``buffer_size`` besides
+        the newest token) resident in layer ``layer_id`` and return their device slots.
+        Mutates that layer's residency and buffer rows only. A failed copy is a counted miss
+        (``SwapIn.failed``); bad input raises InvalidArgumentError and changes nothing."""
+        self._live()
+        local = self.pool.layer_index(layer_id)
+        sel = self._check_positions(positions)
+        newest = sel == (-1 if self.newest is None else self.newest)
+        rest = sel[~newest]
+        where = torch.full((self.num_tokens,), -1, dtype=torch.int64)
+        held = self.token_in[local]
+        occupied = torch.nonzero(held >= 0).flatten()
+        where[held[occupied]] = occupied
+        slot_of = where[rest]
+        hit = slot_of >= 0
+        miss = rest[~hit]
+        keep = torch.zeros(self.buffer_size, dtype=torch.bool)
+        keep[slot_of[hit]] = True
+        free = torch.nonzero(~keep).flatten()  # empty or unselected: reuse the oldest first
+        victims = free[torch.argsort(self.last_used[local][free], stable=True)][: miss.numel()]
+        held[victims] = -1  # their old tokens are gone whatever the copy does
+        ok = miss.numel() == 0 or self._load(layer_id, miss, self._buffer_cpu[victims])
+        if ok:
+            held[victims] = miss
+            slot_of[~hit] = victims
+        else:
+            self.last_used[local][victims] = -1
+        self.clock += 1
+        used = slot_of[slot_of >= 0]
+        self.last_used[local][used] = self.clock
+        slots = torch.zeros(sel.numel(), dtype=torch.int64)
+        slots[~newest] = torch.where(slot_of >= 0, self._buffer_cpu[slot_of.clamp(min=0)], 0)
+        slots[newest] = int(self._buffer_cpu[self.buffer_size])
+        hits = int(hit.sum()) + int(newest.sum())
+        loaded = miss.numel() if ok else 0
+        failed = miss if not ok else miss[:0]
+        self.num_hits += hits
+        self.num_loaded += loaded
+        self.num_failed += failed.numel()
+        return SwapIn(slots.to(self.buffer.device), hits, loaded, failed)
+
+    def _check_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        check_index_tensor("positions", positions, _CPU)
+        sel = positions.to(torch.int64)
+        n = self.num_tokens
+        if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
+            raise InvalidArgumentError(f"positions must be in [0, {n}); got {sel.tolist()[:8]}...")
+        if torch.unique(sel).numel() != sel.numel():
+            raise InvalidArgumentError("positions repeat; select each token once")
+        others = sel.numel() - int((sel == (-1 if self.newest is None else self.newest)).sum())
+        if others > self.buffer_size:
+            raise InvalidArgumentError(
+                f"{others} positions selected besides the newest token; the device buffer "
+                f"holds {self.buffer_size} (admit with a larger buffer_size)"
+            )
+        return sel
+
+    def _load(self, layer_id: int, positions: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Copy layer ``layer_id`` of ``positions`` from host into device ``slots``; False
+        (the error kept in ``last_error``) when the copy raised or was refused."""
+        lg = self.logical[positions].to(self.allocator.device)
+        table = self.allocator.logical_to_device
+        table[lg] = slots.to(
+            table.device
+        )  # the copy's translation: these tokens' slots in this layer
+        try:
+            self._latent.load_to_device_per_layer(
+                self._latent.decl.device_pool, self.host_slots[positions], lg, layer_id
+            )
+        except Exception as e:  # a failed transfer is a counted miss, not a crash
+            self.last_error = e
+            return False
+        finally:
+            table[lg] = 0
+        return True
+
+    def resident(self, layer_id: int) -> torch.Tensor:
+        """Positions resident in layer ``layer_id``'s buffer, by buffer slot (-1: empty)."""
+        return self.token_in[self.pool.layer_index(layer_id)].clone()
+
+    # -- release --------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Give the buffer back (and the newest token's table entry). The caller still owns
+        and frees the logical and host slots. Later calls raise StateError."""
+        self._live()
+        if self.newest is not None:
+            self.allocator.logical_to_device[self.logical[-1:].to(self.allocator.device)] = 0
+        self.allocator.free_device_slots(self.buffer)
+        self.released = True
+
+    def _live(self) -> None:
+        if self.released:
+            raise StateError("this request's swapper was released")
+
+
+def _latent_member(host: HostPool) -> HostKVCache:
+    """The host pool holding the latent: the group's ``kv`` member, or the pool itself."""
+    for m in getattr(host, "members", (host,)):
+        if m.decl.name == "kv":
+            return m
+    raise InvalidArgumentError("the host pool holds no 'kv' (latent) declaration")
