@@ -18,8 +18,8 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
 storage = {storage}
 cfg = TieredKVConfig.flat(num_layers=2, head_num=2, head_dim=8, page_size=4, device_tokens=64,
-    host_tokens=128, storage_bytes=(64 << 20) if storage else 0, storage_path=tempfile.mkdtemp(dir="."),
-    model_id="test-model@1")
+    host_tokens=128, storage_bytes=(64 << 20) if storage else 0,
+    storage_path=tempfile.mkdtemp(dir="."), model_id="test-model@1")
 cache = TieredKVCache(cfg)
 for i in range(6):
     prompt = list(range(100 + i, 140 + i))

@@ -97,6 +97,22 @@ class Model:
             self.k_shape = (c.num_layers, c.head_num, c.head_dim)
             self.v_shape = (c.num_layers, c.head_num, c.v_head_dim or c.head_dim)
         self._kv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A sliding-window model: window layers' KV counts only inside the window of the next
+        # query (a window-aware cache frees the rest; reading it gives the padding slot's).
+        self.window = c.sliding_window if c.model == "swa" else None
+        self.window_layers = list(c.swa_layer_ids()[1]) if self.window else []
+
+    def _in_window(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        """K and V of positions 0..end-1 with window layers' rows before the window of a
+        query at ``end`` zeroed (what is compared of them is what a hit needs)."""
+        if not self.window or not self.window_layers:
+            return k, v
+        cut = max(0, end - self.window + 1)
+        k, v = k.clone(), v.clone()
+        for layer in self.window_layers:
+            k[layer, :cut] = 0
+            v[layer, :cut] = 0
+        return k, v
 
     def _token(self, prefix: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv.get(prefix)
@@ -119,7 +135,7 @@ class Model:
             v = torch.stack([quantize_index_k(v[layer]) for layer in range(self.layers)])
         elif self.dsa:
             v = torch.empty((self.layers, 0, 0))
-        return k, v
+        return self._in_window(k, v, end) if start == 0 else (k, v)
 
     def produced(self, tokens, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the model computes for ``tokens[start:end]`` (DSA: raw indexer keys as V)."""
@@ -150,7 +166,7 @@ class Model:
 
         k = torch.stack([pool.get_key_buffer(i)[at(i)] for i in range(self.layers)])
         v = torch.stack([pool.get_value_buffer(i)[at(i)] for i in range(self.layers)])
-        return k, v
+        return self._in_window(k, v, len(slots))
 
     def check(self, req, end: int | None = None) -> None:
         """The device holds exactly the model's KV for ``req.tokens[:end]``."""

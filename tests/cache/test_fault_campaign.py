@@ -209,7 +209,8 @@ class Campaign:
         # the host pool's copy methods. A host pool group (SWA, DSA) has no engine path.
         self.engine = seed % 2 == 1 and kind == "mha"
         window = {
-            "swa": dict(model="swa", full_layer_every=2),
+            # A window shorter than most prompts: requests release window KV, tombstones form.
+            "swa": dict(model="swa", full_layer_every=2, sliding_window=9),
             "dsa": dict(model="dsa", kv_lora_rank=16, qk_rope_head_dim=8),
         }.get(kind, {})
         io = IOBackend.KERNEL.value if self.engine else self.rng.choice(IOBackend.values())
@@ -252,7 +253,7 @@ class Campaign:
             # Window slots must differ from full slots (else a wrong-pool index goes unseen).
             assert cache.allocator.swa_attn_allocator.alloc(3 * self.config.page_size) is not None
             cache._initial = cache.free_sizes()  # the reserved pages are nobody's to return
-            cache.manager._device0 = cache.allocator.available_size()
+            cache.manager._device0 = cache.allocator.full_available_size()
         inject(cache, self.faults, self.engine)
         probe = cache.manager.probe_storage
 
@@ -472,6 +473,9 @@ def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):
     assert c.n["wrong"] == 0, c.first_wrong
     assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20 and c.n["batched"], c.n
     assert c.tiers["device"] and c.tiers["host"], f"a tier was never hit: {c.tiers}"
+    if kind == "swa":  # requests gave window KV back: tombstones were formed and matched
+        window = c.cache.metrics.window
+        assert window.released_tokens and window.trimmed_tokens, window
     if prefetch_policy == PrefetchPolicy.BEST_EFFORT:
         # begin never waits: a prefetch mostly loses the race with its own cancel (by design);
         # the store must still have been found holding pages.

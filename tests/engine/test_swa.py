@@ -67,18 +67,35 @@ def move(cache: TieredKVCache, tier: str) -> None:
 
 @pytest.mark.parametrize("tier", ["device", "host", "storage"])
 def test_both_sub_pools_restored_from_each_tier_are_bitwise(make_cache, gen, tier):
+    """The next turn of a conversation restores the full KV of the whole prefix and the window
+    KV of its last window (the pages before it are tombstones: full KV only)."""
     cache = make_cache()
     assert isinstance(cache.device_pool, SWAKVPool)
     server = Server(Recorder(TinySWA(SWA)), cache)
-    shared = tokens(gen, 45)
-    p1 = shared + tokens(gen, 11)
-    p2 = diverging(gen, shared, p1, 7)
-    check_against_no_cache(server, p1, serve(server, p1, 3), bitwise=True)
+    p1 = tokens(gen, 56)
+    s1 = serve(server, p1, 3)
+    check_against_no_cache(server, p1, s1, bitwise=True)
+    assert [n for n in cache.tree.nodes() if n.windowless], "no tombstone was formed"
     move(cache, tier)
+    p2 = p1 + s1.out + tokens(gen, 7)
     s = serve(server, p2, 3)
     expected = {"device": 0, "host": 0, "storage": 0}
-    expected[tier] = aligned(len(shared), 16)
+    expected[tier] = aligned(len(p1) + 3, 16)
     assert tier_counts(s.record) == expected
+    check_against_no_cache(server, p2, s, bitwise=True)
+
+
+def test_a_branch_behind_the_window_is_computed_again(make_cache, gen):
+    """A prompt sharing 45 tokens whose window KV was released: that prefix is no hit."""
+    cache = make_cache()
+    server = Server(Recorder(TinySWA(SWA)), cache)
+    shared = tokens(gen, 45)
+    p1 = shared + tokens(gen, 11)
+    serve(server, p1, 3)
+    p2 = diverging(gen, shared, p1, 7)
+    s = serve(server, p2, 3)
+    assert tier_counts(s.record) == {"device": 0, "host": 0, "storage": 0}
+    assert cache.stats()["window"]["trimmed_tokens"] >= aligned(len(shared), 16)
     check_against_no_cache(server, p2, s, bitwise=True)
 
 
@@ -91,24 +108,25 @@ def test_what_a_corrupted_restored_slot_changes(make_cache, gen, corrupt, change
     cache = make_cache(page_size=page, prefetch_threshold=page)
     model = TinySWA(SWA)
     server = Server(Recorder(model), cache)
-    shared = tokens(gen, 32)
-    serve(server, shared + tokens(gen, 9), 1)
+    first = tokens(gen, 41)
+    s1 = serve(server, first, 1)  # 42 tokens cached: pages 0-2 tombstones, 3-4 whole
     move(cache, "host")
-    p2 = diverging(gen, shared, shared + [1], 7)
+    p2 = (first + s1.out)[:40] + tokens(gen, 7)
     req = cache.begin(p2)
-    assert req.prefix_len == 32 and req.hits.host == 32
-    cache.extend(req, p2[32:])
+    assert req.prefix_len == 40 and req.hits.host == 40
+    cache.extend(req, p2[40:])
     pool, full = cache.device_pool, req.slots
     if corrupt == "full":  # layer 0 is full attention: every later query reads token 3
         pool.get_key_buffer(0)[int(full[3])] += 0.25
-    elif corrupt is not None:  # layer 1 is a window layer (window 12; queries from 32 on)
-        token = 30 if corrupt == "window-in" else 5
+    elif corrupt is not None:  # layer 1 is a window layer (window 12; queries from 40 on)
+        token = 38 if corrupt == "window-in" else 25  # 25: in a whole page, out of the window
         swa = cache.allocator.translate_loc_from_full_to_swa(full[token : token + 1])
+        assert int(swa) > 0
         pool.get_key_buffer(1)[int(swa)] += 0.25
-    logits = model.forward(torch.tensor(p2[32:]), 32, PagedKV(cache, req), page)
+    logits = model.forward(torch.tensor(p2[40:]), 40, PagedKV(cache, req), page)
     cache.abort(req)
     ref, _ = no_cache(model, p2, [], page)
-    assert torch.equal(logits, ref[32:]) is not changes, corrupt
+    assert torch.equal(logits, ref[40:]) is not changes, corrupt
 
 
 def test_config_and_server_checks(make_cache):

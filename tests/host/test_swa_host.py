@@ -2,8 +2,9 @@
 A host slot holds a token's full KV and its window KV: the transfer worker backs up the full
 slots and, through the allocator's table, the window slots of the same tokens; a layer-wise load
 puts each layer back into its own sub-pool (window layers at the tokens' new window slots).
-Bytes are checked exactly, every host layout; a token whose window KV was freed is refused
-rather than copied from the padding slot; a ring-mode pool's window KV is not offloaded."""
+Bytes are checked exactly, every host layout; a token whose window KV was freed moves its full
+KV only (its window part is never copied from the padding slot or loaded back); a ring-mode
+pool's window KV is not offloaded."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tiered_kv.device.allocator.swa import SWATokenToKVPoolAllocator
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.device.write_loc import KVWriteLoc
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host.pool_group import HostPoolGroup
 from tiered_kv.names import HostLayout
 from tiered_kv.storage import SlabStorage, StorageNamespace, page_keys
@@ -116,19 +117,40 @@ def test_both_sub_pools_round_trip_through_storage(gen, tmp_path):
         group.destroy()
 
 
-def test_a_token_without_window_kv_is_refused_and_nothing_is_copied(gen):
-    pool, alloc, group = rig("layer_first")
+@pytest.mark.parametrize("layout", HostLayout.values())
+def test_a_token_without_window_kv_moves_its_full_kv_only(gen, layout):
+    """A page that left the window (a tombstone's) keeps its full KV through host; its window
+    part is neither copied from the padding slot nor loaded back over anything."""
+    pool, alloc, group = rig(layout)
     try:
         full = extend(alloc, 8)
-        fill(pool, alloc, full, gen)
+        want = fill(pool, alloc, full, gen)
         alloc.free_swa(full[:4])  # the first page left the window
         host = group.alloc(8)
-        before = [m.buffer.view(torch.uint8).clone() for m in group.members]
-        with pytest.raises(StateError, match="have no window KV"):
-            group.backup_from_device_all_layer(pool, host, full)
-        raw = [m.buffer.view(torch.uint8) for m in group.members]
-        assert all(torch.equal(a, b) for a, b in zip(before, raw, strict=True))
-        group.backup_from_device_all_layer(pool, host[4:], full[4:])  # the rest still goes
+        window_member = group.members[1]
+        before = window_member.get_page_bytes(int(host[0]) // PAGE).clone()
+        group.backup_from_device_all_layer(pool, host, full)
+        after = window_member.get_page_bytes(int(host[0]) // PAGE)
+        assert torch.equal(before, after), "the freed page's window part was written"
+        alloc.free(full)
+        for b in pool.buffers():
+            b.view(torch.uint8).fill_(0x6D)
+        back = extend(alloc, 8)
+        alloc.free_swa(back[:4])  # loaded back as a tombstone: window slots given back first
+        pad = [pool.get_key_buffer(i)[:PAGE].clone() for i in SWA]
+        for layer in range(5):
+            group.load_to_device_per_layer(pool, host, back, layer)
+        for layer, (k, v) in want.items():
+            if layer in SWA:
+                loc = alloc.translate_loc_from_full_to_swa(back[4:])
+                k, v = k[4:], v[4:]
+            else:
+                loc = back
+            assert torch.equal(pool.get_key_buffer(layer)[loc], k), f"K of layer {layer}"
+            assert torch.equal(pool.get_value_buffer(layer)[loc], v), f"V of layer {layer}"
+        assert all(
+            torch.equal(pool.get_key_buffer(i)[:PAGE], p) for i, p in zip(SWA, pad, strict=True)
+        ), "the padding page was written"
     finally:
         group.destroy()
 
@@ -141,3 +163,25 @@ def test_a_ring_pool_is_not_offloaded():
     )
     with pytest.raises(InvalidArgumentError, match="ring's window KV"):
         HostPoolGroup(pool.host_pool_decls(), alloc, size_tokens=16)
+
+
+def test_a_job_routed_again_after_its_window_kv_left_reads_the_table_again(gen):
+    """The group keeps a job's routed slots between calls (every layer of one load); a window
+    freed in between must not be copied from its old (now someone else's) slots."""
+    pool, alloc, group = rig("page_first")
+    try:
+        full = extend(alloc, 8)
+        fill(pool, alloc, full, gen)
+        host = group.alloc(8)
+        group.backup_from_device_all_layer(pool, host, full)
+        old = alloc.translate_loc_from_full_to_swa(full[:4])
+        window_member = group.members[1]
+        page = int(host[0]) // PAGE
+        before = window_member.get_page_bytes(page).clone()
+        alloc.free_swa(full[:4])
+        for layer in SWA:  # the freed window slots get another owner's bytes
+            pool.get_key_buffer(layer)[old] += 1
+        group.backup_from_device_all_layer(pool, host, full)  # the same index tensors
+        assert torch.equal(window_member.get_page_bytes(page), before)
+    finally:
+        group.destroy()

@@ -2,7 +2,8 @@
 lifecycle, the ``TieredKVCache`` facade, its builder and its metrics."""
 
 from tiered_kv.cache.facade import TieredKVCache
-from tiered_kv.cache.manager import CacheManager, PrefixMatch
+from tiered_kv.cache.manager import CacheManager
+from tiered_kv.cache.prefix_match import PrefixMatch
 from tiered_kv.cache.request import Request
 
 __all__ = ["CacheManager", "PrefixMatch", "Request", "TieredKVCache"]

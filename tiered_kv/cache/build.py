@@ -18,6 +18,7 @@ import torch
 
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.cache.window import SlidingWindow
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.allocator.swa import SWATokenToKVPoolAllocator
@@ -84,6 +85,14 @@ def device_pool_for(c: TieredKVConfig) -> KVCache | SWAKVPool:
         g.num_layers,
         device,
     )
+
+
+def sliding_window(c: TieredKVConfig, allocator, metrics) -> SlidingWindow | None:
+    """A sliding-window model's hit rule and window KV handling (None for other models)."""
+    g = c.geometry
+    if g.model != ModelKind.SWA:
+        return None
+    return SlidingWindow(allocator, g.sliding_window, c.device.page_size, metrics)
 
 
 def swa_tokens(c: TieredKVConfig) -> int:
@@ -199,6 +208,7 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
             write_policy=p.write_policy,
             selective_hits=p.selective_hits,
             metrics=metrics,
+            window=sliding_window(c, allocator, metrics),
         )
     except BaseException:
         for part in reversed(opened):

@@ -230,6 +230,8 @@ class TieredKVCache:
                 f"request would hold {len(req.tokens) + n} tokens; max_context_len is "
                 f"{self.config.device.max_context_len}"
             )
+        if self.manager.window is not None:
+            self.manager.window.release(req)  # window KV every later query has left behind
         out = self._alloc(req, n, decode=False)
         reachable = self.allocator.available_size() + self.tree.device_tokens
         if out is None and n > reachable:
@@ -293,7 +295,9 @@ class TieredKVCache:
         and partial-page slots are freed, its lock and row returned. A request whose prefix
         load failed is aborted instead."""
         self._check_live(req)
-        lifecycle.finish(self.manager, req.grant, req.tokens, req.slots)
+        lifecycle.finish(
+            self.manager, req.grant, req.tokens, req.slots, windowless=req.window_freed
+        )
         self.req_to_token.free(req.row)
         req.finished = True
 

@@ -84,13 +84,20 @@ def begin(
 
 
 def finish(
-    manager: CacheManager, grant: PrefixGrant, tokens, slots: torch.Tensor, *, poll: bool = True
+    manager: CacheManager,
+    grant: PrefixGrant,
+    tokens,
+    slots: torch.Tensor,
+    *,
+    poll: bool = True,
+    windowless: int = 0,
 ) -> bool:
     """Insert ``tokens``' whole pages (their KV in ``slots``, the first ``grant.prefix_len`` of
     them the grant's) and release the grant: duplicate and partial-page slots of the request
     are freed, the lock returned. A request whose prefix load failed is aborted instead (the KV
     it computed on top of garbage is not worth keeping). Returns whether it was inserted.
-    ``poll``: acknowledge finished jobs first (a failed load shows up as stale only then)."""
+    ``poll``: acknowledge finished jobs first (a failed load shows up as stale only then).
+    ``windowless``: a sliding-window request's first tokens whose window KV it released."""
     if poll:
         manager.poll()
     if manager.holds_stale(grant.node):
@@ -98,7 +105,7 @@ def finish(
         return False
     ps = manager.page_size
     full = len(tokens) - len(tokens) % ps
-    dup = manager.insert(tokens[:full], slots[:full]) if full else 0
+    dup = manager.insert(tokens[:full], slots[:full], min(windowless, full)) if full else 0
     # The first ``prefix_len`` slots came from the tree: they are its, never ours to free.
     if dup > grant.prefix_len:
         manager.device.free(slots[grant.prefix_len : dup])

@@ -6,7 +6,8 @@ host at once, and host to storage when that copy lands; ``write_through_selectiv
 node's ``selective_hits``-th hit; ``write_back`` copies only on eviction, waiting for the copy
 before freeing), host -> device load-back (all or nothing per chain), host -> storage backups,
 allocation with eviction (it frees what the tree's victims held), and the storage probe: it is
-the only place that asks the store what it holds and builds page keys (``storage.keys``).
+the only place that asks the store what it holds (building page keys with ``storage.keys``, or
+its ``SlidingWindow`` for a sliding-window model's two kinds of page).
 
 Every job it submits is recorded with the node it locks and a completion handler; ``poll``
 delivers each result exactly once to its handler. Nothing is served from a destination before
@@ -16,10 +17,9 @@ its ok result: a failed write frees its host slots, a failed load marks its devi
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from tiered_kv.cache.accounting import check_slots
 from tiered_kv.cache.eviction import Evictor
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe
 from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
@@ -27,7 +27,9 @@ from tiered_kv.cache.jobs import Job, JobTable
 from tiered_kv.cache.load_batch import LoadBatch
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.prefetch import Prefetcher
-from tiered_kv.errors import IntegrityError, InvalidArgumentError
+from tiered_kv.cache.prefix_match import PrefixMatch, StorageHit
+from tiered_kv.cache.window import SlidingWindow, probe_complete
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import PendingKind, WritePolicy, parse
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 from tiered_kv.transfer.base import TransferJob, TransferResult
@@ -36,18 +38,6 @@ from tiered_kv.tree.node import TreeNode, path_to_root
 from tiered_kv.tree.tiered_tree import TieredTree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class PrefixMatch(NamedTuple):
-    """A request's cached prefix on every tier (whole nodes; the tree was split to them)."""
-
-    device_indices: torch.Tensor  # device slots of the device-resident prefix
-    last_device_node: TreeNode
-    last_node: TreeNode  # deepest matched node (on device or host)
-    device_hit_length: int
-    host_hit_length: int  # tokens after the device part, on host
-    storage_hit_length: int  # tokens after the host part, in storage
-    storage_keys: list[bytes]
 
 
 class CacheManager:
@@ -64,6 +54,7 @@ class CacheManager:
         write_policy: str | WritePolicy = WritePolicy.WRITE_THROUGH,
         selective_hits: int = 2,
         metrics: CacheMetrics | None = None,
+        window: SlidingWindow | None = None,
     ) -> None:
         self.write_policy = parse(WritePolicy, write_policy, "write_policy")
         if host is not None and device_host is None:
@@ -82,13 +73,14 @@ class CacheManager:
         self.store = store if host_storage is not None else None
         self.namespace = namespace
         self.selective_hits = selective_hits
+        self.window = window  # a sliding-window model's hit rule and window KV (or None)
         self.metrics = metrics if metrics is not None else CacheMetrics()
         self.page_size = tree.page_size
         self.jobs = JobTable(device_host, host_storage, self.metrics)
         self.load_batch = LoadBatch(self.jobs, self._submit_copy)
         self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
-        self._device0 = device.available_size()
+        self._device0 = getattr(device, "full_available_size", device.available_size)()
         self._host0 = host.available_size() if host is not None else 0
 
     # -- jobs -----------------------------------------------------------------------------------
@@ -129,20 +121,21 @@ class CacheManager:
         selective write-throughs; probes storage for the pages after the tree's match."""
         probe = check_storage and self.store is not None
         m = self.tree.match(tokens, probe=probe)
+        hit = alt = StorageHit([])
+        if probe and m.probe_digests:
+            prober = self.window.probe if self.window is not None else probe_complete
+            hit, alt = prober(self.namespace, m.probe_digests, self.probe_storage)
+        if self.window is not None:
+            m, hit = self.window.trim(self.tree, tokens, m, hit, alt, count_hit)
         last_dev, last = self.tree.node_at(m)
         if count_hit:
             path = self.tree.touch(last)
             if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 self._selective_writes(path, last_dev, last)
-        storage_len, storage_keys = 0, []
-        if probe and m.probe_digests:
-            keys = page_keys_of(self.namespace, m.probe_digests)
-            found = self.probe_storage(keys)
-            storage_keys = keys[:found]
-            storage_len = found * self.page_size
         return PrefixMatch(
-            m.device_indices, last_dev, last, m.device_len, m.host_len, storage_len, storage_keys
-        )
+            m.device_indices, last_dev, last, m.device_len, m.host_len,
+            hit.pages * self.page_size, hit.keys, hit.windowless,
+        )  # fmt: skip
 
     def probe_storage(self, keys: list[bytes]) -> int:
         """How many of ``keys`` the store holds from the first; a store that raises is a
@@ -170,18 +163,25 @@ class CacheManager:
             self.dec_lock_ref(last_dev)
             self.dec_host_ref(last)
 
-    def insert(self, tokens, device_indices: torch.Tensor) -> int:
+    def insert(self, tokens, device_indices: torch.Tensor, windowless: int = 0) -> int:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns how many
         leading tokens were already on the device: the caller frees its own slots for those.
         Slots of tokens the tree declines (below a failed load's stale copy) are freed here.
-        Under ``write_through`` the new node is backed up to host at once."""
+        Under ``write_through`` new nodes are backed up to host at once. ``windowless``: the
+        first tokens hold full KV only (``SlidingWindow.insert``)."""
+        if windowless:
+            return self.window.insert(self, tokens, device_indices, windowless)
         dup, new, kept = self.tree.insert(tokens, device_indices)
         if kept < len(device_indices):
             self.device.free(device_indices[kept:])
+        self.written(new)
+        return dup
+
+    def written(self, new: list[TreeNode]) -> None:
+        """New nodes went into the tree: under ``write_through`` they go to host at once."""
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             for node in new:
                 self.write_to_host(node)
-        return dup
 
     # -- device -> host -------------------------------------------------------------------------
     def write_to_host(self, node: TreeNode, wait: bool = False) -> bool:
@@ -263,6 +263,8 @@ class CacheManager:
         for c in chain:
             self.tree.set_device(c, device[pos : pos + len(c)])
             pos += len(c)
+        if self.window is not None:
+            self.window.drop_windowless(chain)  # tombstones get their full KV only
         self.tree.begin_job(job_id, PendingKind.LOAD, chain)
         self.inc_lock_ref(node)
         self.inc_host_ref(node)
@@ -316,7 +318,7 @@ class CacheManager:
             or PendingKind.BACKUP in node.pending
         ):
             return
-        keys = page_keys_of(self.namespace, node.digests)
+        keys = page_keys_of(self.namespace, node.digests, windowless=node.windowless)
         job_id = self.jobs.new(PendingKind.BACKUP, node, self._backup_done)
         self.inc_host_ref(node)
         self.tree.begin_job(job_id, PendingKind.BACKUP, [node])
@@ -358,6 +360,8 @@ class CacheManager:
     def make_device_room(self, n: int) -> None:
         """Evict until ``n`` device slots are free; if nodes held only by jobs in flight stand
         in the way, wait for those jobs (the one place the manager blocks on a copy)."""
+        if self.window is not None and self.window.window_short(n) > 0:
+            self.window.evict_window(self.tree, self.window.window_short(n))  # full KV stays
         short = n - self.device.available_size()
         if short <= 0:
             return
@@ -383,17 +387,7 @@ class CacheManager:
         return self.tree.holds_stale(node)
 
     def check_integrity(self, *, outside_device: int = 0, outside_host: int = 0) -> None:
-        """The tree's invariants (``tree.integrity``) and every slot accounted for: free + in
-        the tree + held outside it (``outside_*``: by requests or the caller) = what was free
-        when the manager was built. Raises IntegrityError with the counts."""
+        """The tree's invariants and every slot accounted for (``cache.accounting``); raises
+        IntegrityError with the counts. ``outside_*``: slots held by requests or the caller."""
         check_tree(self.tree, jobs=self.jobs.ids())
-        tiers = [("device", self.device, self.tree.device_tokens, outside_device, self._device0)]
-        if self.host is not None:
-            tiers.append(("host", self.host, self.tree.host_tokens, outside_host, self._host0))
-        for name, pool, in_tree, outside, total in tiers:
-            free = pool.available_size()
-            if free + in_tree + outside != total:
-                raise IntegrityError(
-                    f"{name} slots leaked or double counted: {free} free + {in_tree} in tree + "
-                    f"{outside} held outside != {total} at construction"
-                )
+        check_slots(self, outside_device, outside_host)

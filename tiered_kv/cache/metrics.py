@@ -55,12 +55,22 @@ class TierCounters:
 
 
 @dataclass
+class WindowCounters:
+    """Sliding-window models: window KV given back, and hits cut back for want of it."""
+
+    released_tokens: int = 0  # by running requests, for tokens every later query left behind
+    evicted_tokens: int = 0  # by cached nodes (tombstoned) when the window side was short
+    trimmed_tokens: int = 0  # matched tokens not served: the window KV before them was gone
+
+
+@dataclass
 class CacheMetrics:
     """The one stats tree of a cache."""
 
     hits: HitCounters = field(default_factory=HitCounters)
     device: TierCounters = field(default_factory=TierCounters)
     host: TierCounters = field(default_factory=TierCounters)
+    window: WindowCounters = field(default_factory=WindowCounters)
     storage_errors: int = 0  # failed probes, refused and failed storage jobs
     transfer: TransferStats = field(default_factory=TransferStats)
 
@@ -112,13 +122,14 @@ class CacheMetrics:
                 "skipped_while_off": st.skipped_while_off if st else 0,
                 "off": int(st.off) if st else 0,
             },
+            "window": as_dict(self.window),
             "occupancy": dict(occupancy),
         }
 
 
 # Cumulative values (Prometheus counters); everything else is a gauge. ``transfer`` holds a
 # rate (gbps) besides its counters.
-_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions"}
+_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions", "window"}
 _GAUGE_KEYS = {"gbps"}
 _COUNTER_KEYS = {"checksum_failures", "errors", "reopens", "turned_off", "skipped_while_off"}
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")

@@ -31,6 +31,7 @@ class PrefetchOp:
     key: tuple  # the page-aligned tokens up to the end of what is being fetched
     start: int  # tokens of ``key`` the tree held at the match
     host: torch.Tensor  # host slots being filled
+    windowless_end: int = 0  # tokens of ``key`` up to which fetched pages hold full KV only
     result: TransferResult | None = None
 
 
@@ -73,7 +74,8 @@ class Prefetcher:
         start = match.device_hit_length + match.host_hit_length
         key = self.tree.aligned(tokens)[: start + pages * ps]
         job_id = self.jobs.new(Direction.STORAGE_TO_HOST, node, self._done)
-        op = PrefetchOp(job_id, node, key, start, host)
+        bare = start + min(match.storage_windowless, pages) * ps
+        op = PrefetchOp(job_id, node, key, start, host, bare if bare > start else 0)
         self._ops[job_id] = op
         job = TransferJob.prefetch(job_id, match.storage_keys[:pages], host)
         if not self.jobs.submit_storage(job):
@@ -105,15 +107,17 @@ class Prefetcher:
             self.host.free(op.host[got:])
         if got == 0:
             return 0
-        return self._attach(op.key[: op.start + got], op.start, op.host[:got])
+        return self._attach(op.key[: op.start + got], op.start, op.host[:got], op.windowless_end)
 
     def _release(self, node: TreeNode) -> None:
         self.book.dec_lock_ref(node)
         self.book.dec_host_ref(node)
 
-    def _attach(self, key: tuple, start: int, host: torch.Tensor) -> int:
+    def _attach(self, key: tuple, start: int, host: torch.Tensor, bare: int = 0) -> int:
         """Attach host slots for ``key[start:]`` below the path of ``key[:start]``; slots for
-        tokens the tree already holds (or cannot attach) are freed. Returns tokens attached."""
+        tokens the tree already holds (or cannot attach) are freed. Tokens before ``bare``
+        came from full-KV-only values: they go in as a windowless node of their own. Returns
+        tokens attached."""
         m = self.tree.match(key, probe=False)
         _, node = self.tree.node_at(m)
         pos = m.length
@@ -129,7 +133,17 @@ class Prefetcher:
             # (nothing is built upon garbage).
             self.host.free(host[pos - start :])
             return 0
-        child = self.tree.add_child(node, key[pos:])
-        self.tree.set_host(child, host[pos - start :])
-        self.tree.set_in_storage(child)
-        return len(child)
+        attached = 0
+        for lo, hi, windowless in (
+            (pos, min(bare, len(key)), True),
+            (max(pos, bare), len(key), False),
+        ):
+            if hi <= lo:
+                continue
+            node = self.tree.add_child(node, key[lo:hi])
+            if windowless:
+                self.tree.set_windowless(node)
+            self.tree.set_host(node, host[lo - start : hi - start])
+            self.tree.set_in_storage(node)
+            attached += hi - lo
+        return attached

@@ -28,6 +28,7 @@ class Request:
     extra: dict = field(default_factory=dict)
     grant: PrefixGrant | None = None
     owner: object = None  # the cache that began it (a request is only ever its cache's)
+    window_freed: int = 0  # sliding window: tokens before this hold full KV only (page-aligned)
 
     @property
     def row(self) -> int:

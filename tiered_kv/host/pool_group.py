@@ -68,6 +68,9 @@ class HostPoolGroup:
             raise
         self.members = tuple(built)
         self._translate = tuple(t for _, t in routes)
+        self._memo: tuple | None = None
+        # What the routes read (a table) changes with this; without it nothing is kept.
+        self._route_version = getattr(device_allocator, "host_route_version", None)
         self.allocator = built[0].allocator
         for m in built[1:]:
             m.allocator = self.allocator  # one slot space: a slot is the same in every member
@@ -75,13 +78,40 @@ class HostPoolGroup:
         self.num_pages, self.layout = built[0].num_pages, built[0].layout
         self.decl = _group_decl(decls, owner, page)
 
-    def _parts(self, device_pool: Any, device_indices: torch.Tensor):
-        """(member, its device pool, the job's slots in that pool) for every member."""
+    def _parts(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor):
+        """(member, its device pool, host slots, device slots in that pool) for every member
+        holding part of the job. A member whose route translates a token to no slot (<= 0: a
+        sliding-window token whose window KV was freed) skips that token: its host part of the
+        token is neither written nor read (the tree marks such pages windowless). The result is
+        kept while the same, unmodified index tensors come again and the routes' table has not
+        changed (every layer of one load, while nothing is allocated or freed meanwhile)."""
         if device_pool is not self.decl.device_pool:
             raise InvalidArgumentError("device_pool is not the pool this group mirrors")
+        memo, route = self._memo, self._route_version
+        versions = (
+            host_indices._version,
+            device_indices._version,
+            route() if route is not None else None,
+        )
+        if (
+            memo is not None
+            and route is not None
+            and memo[0] is host_indices
+            and memo[1] is device_indices
+            and memo[2] == versions
+        ):
+            return memo[3]
+        parts = []
         for m, translate in zip(self.members, self._translate, strict=True):
-            idx = device_indices if translate is None else translate(device_indices)
-            yield m, m.decl.device_pool, idx
+            host, idx = host_indices, device_indices
+            if translate is not None:
+                idx = translate(device_indices)
+                keep = idx > 0
+                if not bool(keep.all()):
+                    host, idx = host_indices[keep.to(host_indices.device)], idx[keep]
+            parts.append((m, m.decl.device_pool, host, idx))
+        self._memo = (host_indices, device_indices, versions, parts)
+        return parts
 
     # -- slots ----------------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -107,30 +137,33 @@ class HostPoolGroup:
         io_backend: str = "kernel",
     ) -> None:  # fmt: skip
         """Every member's part of ``device_indices`` into ``host_indices``."""
-        for m, pool, idx in list(self._parts(device_pool, device_indices)):  # all checked first
-            m.backup_from_device_all_layer(pool, host_indices, idx, io_backend)
+        for m, pool, host, idx in self._parts(device_pool, host_indices, device_indices):
+            if idx.numel():
+                m.backup_from_device_all_layer(pool, host, idx, io_backend)
 
     def load_to_device_per_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
         layer_id: int, io_backend: str = "kernel",
     ) -> None:  # fmt: skip
         """Layer ``layer_id`` of every member that holds it."""
-        parts = list(self._parts(device_pool, device_indices))
-        held = [(m, pool, idx) for m, pool, idx in parts if layer_id in m.decl.layer_ids]
+        parts = self._parts(device_pool, host_indices, device_indices)
+        held = [p for p in parts if layer_id in p[0].decl.layer_ids]
         if not held:
             raise InvalidArgumentError(
                 f"layer_id={layer_id!r} is held by no member; layers are "
                 f"{list(self.decl.layer_ids)}"
             )
-        for m, pool, idx in held:
-            m.load_to_device_per_layer(pool, host_indices, idx, layer_id, io_backend)
+        for m, pool, host, idx in held:
+            if idx.numel():
+                m.load_to_device_per_layer(pool, host, idx, layer_id, io_backend)
 
     def load_to_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
         io_backend: str = "kernel",
     ) -> None:  # fmt: skip
-        for m, pool, idx in list(self._parts(device_pool, device_indices)):
-            m.load_to_device_all_layer(pool, host_indices, idx, io_backend)
+        for m, pool, host, idx in self._parts(device_pool, host_indices, device_indices):
+            if idx.numel():
+                m.load_to_device_all_layer(pool, host, idx, io_backend)
 
     # -- pages as bytes -------------------------------------------------------------------------
     @property

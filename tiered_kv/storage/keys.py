@@ -140,13 +140,22 @@ def page_keys(
     return [PageKey(namespace.fingerprint + d) for d in page_digests(tokens, page_size, prior)]
 
 
-def page_keys_of(namespace: StorageNamespace, digests: Sequence[bytes]) -> list[PageKey]:
+_WINDOWLESS = b"tiered-kv/windowless-page/1"
+
+
+def page_keys_of(
+    namespace: StorageNamespace, digests: Sequence[bytes], *, windowless: bool = False
+) -> list[PageKey]:
     """Storage keys under ``namespace`` of pages whose chain digests are already known (a
-    prefix tree keeps them per node)."""
+    prefix tree keeps them per node). ``windowless``: the keys of the pages' *full-KV-only*
+    values (a sliding-window model's tombstones, whose window part is not kept): another key
+    for the same page, so such a value is never read as a page with its window KV."""
     fp = namespace.fingerprint
     for d in digests:
         if len(d) != DIGEST_BYTES:
             raise InvalidArgumentError(f"a page digest has {len(d)} bytes; expected {DIGEST_BYTES}")
+    if windowless:
+        return [PageKey(fp + hashlib.sha256(_WINDOWLESS + d).digest()) for d in digests]
     return [PageKey(fp + d) for d in digests]
 
 

@@ -6,6 +6,8 @@ tensor as long as the key or ``None``, and ``in_storage``. ``digests`` holds the
 digest of each page (continuing from the parent's last page). Children are keyed by their first
 page. ``lock_ref`` (device) and ``host_ref`` (host) count users of the node and its ancestors.
 ``pending`` maps each kind of copy in flight that touches the node to its job id.
+``windowless`` (sliding-window models) marks a tombstone: the node's window-layer KV was freed,
+its full KV is kept on every tier that holds the node.
 
 Nodes are plain records: only :class:`TieredTree` changes their fields, so the tree's residency
 counters stay exact.
@@ -37,6 +39,7 @@ class TreeNode:
         "pending",
         "hit_count",
         "stale",
+        "windowless",
         "__weakref__",
     )
 
@@ -54,6 +57,9 @@ class TreeNode:
         self.pending: dict[PendingKind, JobId] = {}
         self.hit_count = 0
         self.stale = False  # device copy from a failed load: dropped once nothing holds it
+        # Sliding-window models: the node's window KV is held nowhere (tombstone), only its
+        # full KV; such a node is hit only where no query of a hit needs its window KV.
+        self.windowless = False
 
     def __len__(self) -> int:
         return len(self.key)

@@ -148,12 +148,16 @@ class TieredTree:
         )
 
     # -- inserting ------------------------------------------------------------------------------
-    def insert(self, tokens, device_indices: torch.Tensor) -> tuple[int, list[TreeNode], int]:
+    def insert(
+        self, tokens, device_indices: torch.Tensor, *, windowless: bool = False
+    ) -> tuple[int, list[TreeNode], int]:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns (how many
         leading tokens were already on the device, the new nodes, how many leading tokens the
         tree now records). The caller frees its own slots for the duplicates and for the tokens
         after the recorded ones (the tree stops at a failed load's stale copy, so that nothing
-        is kept below garbage). Host-only nodes on the way adopt the caller's slots."""
+        is kept below garbage). Host-only nodes on the way adopt the caller's slots.
+        ``windowless``: the slots hold full KV only (sliding-window models): new nodes and
+        host-only nodes adopting them become tombstones."""
         key = self.aligned(tokens)
         if len(key) != len(tokens) or len(device_indices) != len(key):
             raise InvalidArgumentError(
@@ -167,6 +171,7 @@ class TieredTree:
                 return dup, new, pos
             if child is None:
                 child = self.add_child(node, key[pos:])
+                child.windowless = windowless
                 self.set_device(child, device_indices[pos:])
                 new.append(child)
                 pos = len(key)
@@ -177,6 +182,7 @@ class TieredTree:
             if child.on_device:
                 dup = pos + n
             else:
+                child.windowless = child.windowless or windowless
                 self.set_device(child, device_indices[pos : pos + n])
             node, pos = child, pos + n
         return dup, new, pos
@@ -266,6 +272,10 @@ class TieredTree:
             raise StateError(f"mark_stale on {node!r}: a failed load's node is on both tiers")
         node.stale = True
 
+    def set_windowless(self, node: TreeNode) -> None:
+        """``node``'s window KV was freed: a tombstone from now on (full KV only)."""
+        node.windowless = True
+
     def set_in_storage(self, node: TreeNode) -> None:
         node.in_storage = True
 
@@ -349,6 +359,7 @@ class TieredTree:
         front.pending = dict(node.pending)
         front.hit_count = node.hit_count
         front.stale = node.stale  # a failed load's device copy is garbage in both halves
+        front.windowless = node.windowless
         for job_id in node.pending.values():
             self._jobs[job_id][1].append(front)
         node.key = node.key[at:]

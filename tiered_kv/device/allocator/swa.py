@@ -158,8 +158,9 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
 
     def host_part_route(self, decl) -> tuple[object, object]:
         """For a host pool group: (the sub-allocator of ``decl``'s sub-pool, how a job's full
-        slots become that sub-pool's slots). Window KV is copied only for tokens that still
-        have it: a token whose window peer was freed is refused, never copied from padding."""
+        slots become that sub-pool's slots). A token whose window KV was freed translates to 0,
+        which the group skips: its window part is neither copied from the padding slot nor
+        loaded back (the cache marks such pages windowless)."""
         kv = self._kvcache
         if decl.device_pool is kv.full_kv_pool:
             return self.full_attn_allocator, None
@@ -172,15 +173,13 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
             )
         return self.swa_attn_allocator, self._window_slots
 
+    def host_route_version(self) -> int:
+        """Changes whenever the table the window route reads does (a host pool group keeps a
+        job's routed slots only while it is unchanged)."""
+        return self.full_to_swa_index_mapping._version
+
     def _window_slots(self, full: torch.Tensor) -> torch.Tensor:
-        swa = self.translate_loc_from_full_to_swa(full.to(torch.int64))
-        if swa.numel() and bool((swa <= 0).any()):
-            bad = full[swa <= 0].tolist()[:8]
-            raise StateError(
-                f"full slots {bad} have no window KV (it left the window and was freed); copy "
-                "only tokens whose window KV is present"
-            )
-        return swa
+        return self.translate_loc_from_full_to_swa(full.to(torch.int64)).clamp_min(0)
 
     def ring_loc(
         self,
