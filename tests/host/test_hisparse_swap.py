@@ -23,6 +23,9 @@ from tiered_kv.device.hisparse_index import HiSparseIndexKeys
 from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.host.hisparse_swap import HiSparseSwapper
 from tiered_kv.host.pool_group import HostPoolGroup
+from tiered_kv.names import HostLayout
+from tiered_kv.storage import MemoryStorage, StorageNamespace, page_keys
+from tiered_kv.transfer import HostStorageTransfer, TransferJob
 
 LAYERS, RANK, ROPE = 3, 13, 6
 
@@ -34,7 +37,9 @@ def _t(values) -> torch.Tensor:
 class Rig:
     """A DSA pool behind a HiSparse allocator, its host group, and the bytes written."""
 
-    def __init__(self, page: int, device_pages: int, gen: torch.Generator) -> None:
+    def __init__(
+        self, page: int, device_pages: int, gen: torch.Generator, layout: str = "layer_first"
+    ) -> None:
         self.page, self.gen = page, gen
         size = device_pages * page
         self.pool = DSATokenToKVPool(size, page, torch.bfloat16, RANK, ROPE, LAYERS)
@@ -44,7 +49,7 @@ class Rig:
         )  # fmt: skip
         self.host = HostPoolGroup(
             self.pool.host_pool_decls(), self.alloc, size_tokens=8 * size, reserve_bytes=0,
-            kernel_backend="torch",
+            kernel_backend="torch", layout=layout,
         )  # fmt: skip
         self.keys = HiSparseIndexKeys(self.alloc, self.pool)
         self.latent: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]  # by position
@@ -302,3 +307,41 @@ def test_admit_checks_and_refuses_cleanly(gen):
     assert sw is not None and rig.alloc.device_available_size() == 12 * 4 - 12
     with pytest.raises(StateError, match="no device slot"):  # its tokens gave theirs back
         HiSparseSwapper.admit(*args, logical, host[:30], 8)
+
+
+@pytest.mark.parametrize("layout", HostLayout.values())
+def test_every_part_round_trips_through_storage_for_every_layout(gen, layout, tmp_path):
+    """The host copy of a HiSparse request (latent and indexer rows of every token) goes to
+    storage and back, and tokens swapped in from it have exactly the bytes written."""
+    page = 4
+    rig = Rig(page, device_pages=60 // page + 4, gen=gen, layout=layout)
+    sw, host = rig.prefill(37, buffer_size=12, host_tokens=40)
+    ns = StorageNamespace.for_host_pool(rig.host, model="hisparse-test@1")
+    store = MemoryStorage(ns, rig.host.page_nbytes)
+    worker = HostStorageTransfer(rig.host, store, batch_pages=3)
+    try:
+        pages = host[:36:page]  # the 9 whole pages of the prompt
+        keys = page_keys(ns, torch.randint(0, 9999, (36,), generator=gen), page)
+        idx = host[:36]
+        assert worker.submit(TransferJob.backup(1, keys, idx))
+        worker.wait([1])
+        assert worker.poll()[0].pages_done == len(pages)
+        host_pages = sorted({int(h) // page for h in idx.tolist()})
+        before = [[m.get_page_bytes(p).clone() for p in host_pages] for m in rig.host.members]
+        for m in rig.host.members:  # host copy gone: only storage holds these bytes now
+            m.buffer.view(torch.uint8).fill_(0xA5)
+        assert worker.submit(TransferJob.prefetch(2, keys, idx))
+        worker.wait([2])
+        assert worker.poll()[0].pages_done == len(pages)
+        for m, pages_before in zip(rig.host.members, before, strict=True):  # every part
+            for p, b in zip(host_pages, pages_before, strict=True):
+                assert torch.equal(m.get_page_bytes(p), b), (m.decl.name, p)
+        for layer in range(LAYERS):
+            sel = _t(random.Random(layer).sample(range(36), 12))
+            got = sw.swap_in(layer, sel)
+            assert got.failed.numel() == 0
+            want = torch.stack([rig.latent[layer][p] for p in sel.tolist()])
+            assert torch.equal(rig.latent_bytes(layer, got.device_slots), want), layer
+        rig.check_resident(sw)
+    finally:
+        worker.close()
