@@ -162,3 +162,18 @@ def page_keys_of(
 def digest_of(key: bytes) -> bytes:
     """The chain digest inside a key (to continue the chain from it)."""
     return key[FINGERPRINT_BYTES:]
+
+
+_STATE = b"tiered-kv/state-snapshot/1"
+
+
+def state_keys_of(namespace: StorageNamespace, digests: Sequence[bytes]) -> list[PageKey]:
+    """Storage keys under a *state* namespace (``HostStatePool.namespace``) of the recurrent
+    state snapshot taken at the end of each page whose chain digest is given. The digest is
+    hashed with a fixed tag, so a state key never equals a page key, even under a namespace
+    mistakenly shared with KV pages."""
+    fp = namespace.fingerprint
+    for d in digests:
+        if len(d) != DIGEST_BYTES:
+            raise InvalidArgumentError(f"a page digest has {len(d)} bytes; expected {DIGEST_BYTES}")
+    return [PageKey(fp + hashlib.sha256(_STATE + d).digest()) for d in digests]
