@@ -105,3 +105,19 @@ def get_req_to_token_extra_context_len(cfg: AllocSizingConfig) -> int:
     ):
         extra = max(extra, get_alloc_reserve_per_decode(cfg) + page_size - 1)
     return extra
+
+
+def get_mamba_tracking_slots(*, extra_buffer: bool, overlap: bool, lazy: bool = False) -> int:
+    """Mamba slots a fresh request takes beside its own to track state for the prefix cache.
+
+    None without the extra buffer. With it, overlap scheduling needs two (step t writes the
+    tracked state while step t-1's copy is still being read: a ping-pong pair), else one; lazy
+    mode takes one now and defers the second until the request reaches a tracking boundary."""
+    for name, value in (("extra_buffer", extra_buffer), ("overlap", overlap), ("lazy", lazy)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name}={value!r} must be a bool")
+    if not extra_buffer:
+        return 0
+    if lazy:
+        return 1
+    return 2 if overlap else 1
