@@ -74,14 +74,24 @@ class ModelGeometry:
     index_head_dim: int = 128  # DSA: the indexer key's elements (whole 128-element blocks)
     sliding_window: int = 64  # SWA: tokens a window layer attends to (its own included)
     full_layer_every: int = 4  # SWA: layer i is full attention when i % full_layer_every == 0
+    # hybrid_linear: layer i is full attention when (i + 1) % full_layer_every == 0, the others
+    # recurrent (a short causal conv of conv_kernel taps, then a gated linear recurrence).
+    conv_kernel: int = 4
+    linear_heads: int = 2
+    linear_key_dim: int = 16
+    linear_value_dim: int = 32
+    ngram_context_len: int = 0  # hybrid_linear: an n-gram draft pool of this context (0: none)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _ints(
             self,
             ("num_layers", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
-             "index_head_dim", "sliding_window", "full_layer_every"),
+             "index_head_dim", "sliding_window", "full_layer_every", "linear_heads",
+             "linear_key_dim", "linear_value_dim"),
         )  # fmt: skip
+        _ints(self, ("conv_kernel",), minimum=2)
+        _ints(self, ("ngram_context_len",), minimum=0)
         _need(self.index_head_dim % 128 == 0, self, "index_head_dim", "a multiple of 128")
         if self.model == ModelKind.SWA:
             _need(
@@ -89,6 +99,13 @@ class ModelGeometry:
                 self,
                 "full_layer_every",
                 "> 1 with num_layers > 1 (an SWA model has full and window layers)",
+            )
+        if self.model == ModelKind.HYBRID_LINEAR:
+            _need(
+                1 < self.full_layer_every <= self.num_layers,
+                self,
+                "full_layer_every",
+                f"2..num_layers={self.num_layers} (a hybrid model has full and recurrent layers)",
             )
         v = self.v_head_dim
         _need(v is None or (_is_int(v) and v >= 1), self, "v_head_dim", "None or an int >= 1")
@@ -100,6 +117,19 @@ class ModelGeometry:
         every = self.full_layer_every
         ids = range(self.num_layers)
         return [i for i in ids if i % every == 0], [i for i in ids if i % every]
+
+    def hybrid_layer_ids(self) -> tuple[list[int], list[int]]:
+        """(full layer ids, recurrent layer ids) of a hybrid_linear model."""
+        every, ids = self.full_layer_every, range(self.num_layers)
+        return [i for i in ids if (i + 1) % every == 0], [i for i in ids if (i + 1) % every]
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """A recurrent layer's conv history: (q, k and v channels, conv_kernel - 1)."""
+        dim = self.linear_heads * (2 * self.linear_key_dim + self.linear_value_dim)
+        return dim, self.conv_kernel - 1
+
+    def temporal_state_shape(self) -> tuple[int, int, int]:
+        return self.linear_heads, self.linear_key_dim, self.linear_value_dim
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -114,9 +144,28 @@ class DeviceConfig:
     max_requests: int = 64
     max_context_len: int = 8192
     device_swa_tokens: int | None = None  # SWA: window sub-pool slots (None: device_tokens)
+    # hybrid_linear: Mamba state slots (requests' own, their tracking slots and cached
+    # snapshots; None: 4 per request), the tracking buffer, overlap scheduling, lazy tracking
+    device_state_slots: int | None = None
+    state_extra_buffer: bool = True
+    state_overlap: bool = False
+    state_lazy: bool = False
+    # hybrid_linear: also keep a snapshot every this many pages while a request runs (0: only
+    # at the end of each cached prefix), so requests sharing a long prompt but not its end hit
+    state_snapshot_every: int = 16
 
     def __post_init__(self) -> None:
         _ints(self, ("page_size", "device_tokens", "max_requests", "max_context_len"))
+        n = self.device_state_slots
+        _need(
+            n is None or (_is_int(n) and n >= 1),
+            self,
+            "device_state_slots",
+            "None (4 per request) or an int >= 1",
+        )
+        _ints(self, ("state_snapshot_every",), minimum=0)
+        for f in ("state_extra_buffer", "state_overlap", "state_lazy"):
+            _need(isinstance(getattr(self, f), bool), self, f, "True or False")
         w = self.device_swa_tokens
         _need(
             w is None or (_is_int(w) and w >= 2 * self.page_size and w % self.page_size == 0),
@@ -143,9 +192,12 @@ class HostConfig:
     pin: bool | None = None  # None: pinned where CUDA exists
     reserve_bytes: int | None = None  # host memory left to others (None: the pool's default)
     kernel_backend: str | None = None  # None: platform's choice
+    host_state_slots: int | None = None  # hybrid_linear: host state snapshots (None: derived)
 
     def __post_init__(self) -> None:
         _ints(self, ("host_tokens",), minimum=0)
+        n = self.host_state_slots
+        _need(n is None or (_is_int(n) and n >= 1), self, "host_state_slots", "None or an int >= 1")
         _choice(self, "host_layout", HostLayout.values())
         _choice(self, "io_backend", IOBackend.values())
         _need(self.pin is None or isinstance(self.pin, bool), self, "pin", "None, True or False")
@@ -232,6 +284,14 @@ class PolicyConfig:
         """``timeout`` policy: base + per-1K-token term, capped."""
         t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1000
         return min(t, self.prefetch_timeout_max_s)
+
+    def prefetch_wait_s(self, tokens: int) -> float | None:
+        """How long ``begin`` waits for a storage hit of ``tokens`` (None: until done)."""
+        if self.prefetch_policy == PrefetchPolicy.WAIT_COMPLETE:
+            return None
+        if self.prefetch_policy == PrefetchPolicy.TIMEOUT:
+            return self.prefetch_timeout_s(tokens)
+        return 0.0
 
 
 _SECTIONS = {

@@ -82,6 +82,9 @@ class ModelKind(Name):
     MLA = "mla"
     DSA = "dsa"  # MLA plus the sparse indexer's key cache
     SWA = "swa"  # MHA layers, most of them sliding-window (a full layer every full_layer_every)
+    # Full-attention MHA layers between recurrent (linear-attention) layers with per-request
+    # state: layer i is full when (i + 1) % full_layer_every == 0
+    HYBRID_LINEAR = "hybrid_linear"
 
 
 class Tier(Name):

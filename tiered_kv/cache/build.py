@@ -16,6 +16,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from tiered_kv.cache import build_state
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.window import SlidingWindow
@@ -49,6 +50,7 @@ class CacheParts(NamedTuple):
     device_host: DeviceHostTransfer | None
     host_storage: HostStorageTransfer | None
     manager: CacheManager
+    states: object = None  # a hybrid model's RecurrentState (cache.state_hits), else None
 
 
 def device_pool_for(c: TieredKVConfig) -> KVCache | SWAKVPool:
@@ -123,6 +125,12 @@ def check_device_fits(c: TieredKVConfig) -> None:
         pool += mha_kv_bytes(
             len(window), swa_tokens(c) + d.page_size, g.head_num, g.head_dim, g.torch_dtype
         )
+    elif g.model == ModelKind.HYBRID_LINEAR:
+        full, linear = g.hybrid_layer_ids()
+        pool = mha_kv_bytes(len(full), tokens, g.head_num, g.head_dim, g.torch_dtype)
+        conv, temporal = g.conv_state_shape(), g.temporal_state_shape()
+        per_slot = 4 * len(linear) * (conv[0] * conv[1] + temporal[0] * temporal[1] * temporal[2])
+        pool += (build_state.state_slots(c) + 1) * per_slot  # float32 conv and temporal state
     elif g.model == ModelKind.MHA:
         pool = mha_kv_bytes(g.num_layers, tokens, g.head_num, g.head_dim, g.torch_dtype)
     else:
@@ -145,11 +153,16 @@ def check_device_fits(c: TieredKVConfig) -> None:
 def build_cache_parts(c: TieredKVConfig) -> CacheParts:
     d, h, s, p = c.device, c.host, c.storage, c.policies
     check_device_fits(c)
-    pool = device_pool_for(c)
+    hybrid = c.geometry.model == ModelKind.HYBRID_LINEAR
+    if hybrid:  # the request rows own the recurrent state, the KV pool its full layers
+        rows = build_state.hybrid_rows(c)
+        pool = build_state.hybrid_pool(c, rows)
+    else:
+        rows = ReqToTokenPool(d.max_requests, d.max_context_len, torch.device(d.device))
+        pool = device_pool_for(c)
     allocator = allocator_for(c, pool)
-    rows = ReqToTokenPool(d.max_requests, d.max_context_len, torch.device(d.device))
     metrics = CacheMetrics()
-    host_pool = storage = namespace = device_host = host_storage = None
+    host_pool = storage = namespace = device_host = host_storage = states = None
     opened: list = []
     try:
         if h.host_tokens:
@@ -191,11 +204,13 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
                     host_pool, storage, batch_pages=s.storage_batch_pages, stats=metrics.transfer
                 )
                 opened.append(host_storage)
+        if hybrid:
+            states = build_state.recurrent_state(c, rows, metrics, opened)
         tree = TieredTree(
             d.page_size,
             device_policy=p.device_policy,
             host_policy=p.host_policy,
-            digests=storage is not None,
+            digests=storage is not None or hybrid,  # snapshots are named by page digests
         )
         manager = CacheManager(
             tree,
@@ -209,10 +224,13 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
             selective_hits=p.selective_hits,
             metrics=metrics,
             window=sliding_window(c, allocator, metrics),
+            states=states,
         )
     except BaseException:
         for part in reversed(opened):
             with contextlib.suppress(Exception):
                 part.close()
         raise
-    return CacheParts(pool, allocator, rows, host_pool, storage, device_host, host_storage, manager)
+    return CacheParts(
+        pool, allocator, rows, host_pool, storage, device_host, host_storage, manager, states
+    )

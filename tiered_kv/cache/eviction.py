@@ -11,10 +11,10 @@ the host copies of device-resident ones, so the tiers stay inclusive while they 
 
 from __future__ import annotations
 
-from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, JobBook
+from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, JobBook, Snapshots
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.names import PendingKind, Tier, WritePolicy
-from tiered_kv.tree.node import TreeNode
+from tiered_kv.tree.node import TreeNode, walk
 from tiered_kv.tree.tiered_tree import TieredTree
 from tiered_kv.tree.victims import victims
 
@@ -35,6 +35,8 @@ class Evictor:
         self.host = host
         self.write_policy = write_policy
         self.metrics = metrics
+        # A hybrid model's snapshots leave a tier with their pages (set by the manager).
+        self.states: Snapshots | None = None
 
     def evict_device(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
@@ -53,7 +55,13 @@ class Evictor:
             self.book.write_to_host(n, wait=True)
         if n.on_host and PendingKind.WRITE not in n.pending:
             self.device.free(self.tree.take_device(n))
+            if self.states is not None:
+                self.states.drop_device(n.digests)
         elif self.tree.subtree_free(n):
+            if self.states is not None:
+                gone = [n, *walk(n)]
+                self.states.drop_device([d for x in gone for d in x.digests])
+                self.states.drop_host([d for x in gone for d in x.digests])
             released = self.tree.detach(n)
             for slots in released.device:
                 self.device.free(slots)
@@ -92,6 +100,8 @@ class Evictor:
             self.book.backup_to_storage(n, wait=True)
         leaves_tree = not n.on_device
         self.host.free(self.tree.take_host(n))
+        if self.states is not None:
+            self.states.drop_host(n.digests)
         if leaves_tree:
             self.metrics.host.dropped_tokens += size
         self.metrics.host.evicted_tokens += size

@@ -25,13 +25,12 @@ import torch
 
 from tiered_kv.cache import lifecycle
 from tiered_kv.cache.build import build_cache_parts
-from tiered_kv.cache.metrics import prometheus_text
+from tiered_kv.cache.metrics import prometheus_text, store_stats
 from tiered_kv.cache.request import Request, token_ids
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, StateError
-from tiered_kv.names import PrefetchPolicy
 
 
 def _serialized(method):
@@ -63,6 +62,7 @@ class TieredKVCache:
         self.device_host = parts.device_host
         self.host_storage = parts.host_storage
         self.manager = parts.manager
+        self.states = parts.states  # a hybrid model's recurrent-state snapshots (or None)
         self.tree = parts.manager.tree
         self.metrics = parts.manager.metrics
         self.hits = self.metrics.hits
@@ -141,17 +141,21 @@ class TieredKVCache:
             )
 
     def _begin_one(self, tokens: list[int]) -> Request:
-        kv = RequestKV()
-        if self.req_to_token.alloc([kv]) is None:
-            raise StateError(f"all {self.config.device.max_requests} request rows are in use")
+        kv = self.states.alloc_row() if self.states is not None else RequestKV()
+        if kv is None or (self.states is None and self.req_to_token.alloc([kv]) is None):
+            raise StateError(
+                f"all {self.config.device.max_requests} request rows (or state slots) are in use"
+            )
         try:
             grant = lifecycle.begin(
                 self.manager,
                 tokens[:-1],  # the last prompt token is always computed
                 prompt_tokens=len(tokens),
                 prefetch_threshold=self.config.policies.prefetch_threshold,
-                prefetch_wait=self._prefetch_wait,
+                prefetch_wait=self.config.policies.prefetch_wait_s,
             )
+            if self.states is not None:  # the state at the prefix's end, or a shorter prefix
+                grant = self.states.settle(self.manager, grant, tokens[:-1], kv.mamba_pool_idx)
         except BaseException:
             self.req_to_token.free(kv.req_pool_idx)  # begin takes nothing it does not give back
             raise
@@ -197,14 +201,6 @@ class TieredKVCache:
             r.load_slot = self.manager.load_slot(r.node)
         slot = self.manager.load_slot(*(r.node for r in reqs))
         self.device_host.layer_done_counter.set_consumer(slot)
-
-    def _prefetch_wait(self, tokens: int) -> float | None:
-        policy = self.config.policies.prefetch_policy
-        if policy == PrefetchPolicy.WAIT_COMPLETE:
-            return None
-        if policy == PrefetchPolicy.TIMEOUT:
-            return self.config.prefetch_timeout_s(tokens)
-        return 0.0
 
     def _alloc(self, req: Request, n: int, decode: bool) -> torch.Tensor | None:
         a = self.allocator
@@ -295,11 +291,22 @@ class TieredKVCache:
         and partial-page slots are freed, its lock and row returned. A request whose prefix
         load failed is aborted instead."""
         self._check_live(req)
-        lifecycle.finish(
+        inserted = lifecycle.finish(
             self.manager, req.grant, req.tokens, req.slots, windowless=req.window_freed
         )
+        if inserted and self.states is not None:
+            self.states.capture(req, req.tokens)  # the state at its cached prefix's end
         self.req_to_token.free(req.row)
         req.finished = True
+
+    @_serialized
+    def track_state(self, req: Request, position: int) -> None:
+        """Hybrid models: the forward of ``req`` has just absorbed token ``position - 1`` in
+        every recurrent layer, ``position`` a page boundary; the cache keeps that state."""
+        self._check_live(req)
+        if self.states is None:
+            raise InvalidArgumentError("track_state needs a hybrid_linear model's cache")
+        self.states.track(req, position)
 
     @_serialized
     def abort(self, req: Request) -> None:
@@ -363,20 +370,13 @@ class TieredKVCache:
         self.drain()
         self.manager.evict_host(1 << 62)
         self.drain()
+        if self.states is not None:
+            self.states.evict_all()  # snapshots of prefixes no longer cached go down too
 
     @_serialized
     def stats(self) -> dict:
-        st = None
-        if self.storage is not None:
-            try:
-                st = self.storage.stats()
-            except Exception:  # noqa: BLE001 - a broken store reports no counters
-                st = None
-        occupancy = {
-            "device_tokens": self.tree.device_tokens,
-            "host_tokens": self.tree.host_tokens,
-        }
-        return self.metrics.render(st, occupancy)
+        occupancy = {"device_tokens": self.tree.device_tokens, "host_tokens": self.tree.host_tokens}
+        return self.metrics.render(store_stats(self.storage), occupancy)
 
     @_serialized
     def prometheus(self) -> str:
@@ -392,8 +392,6 @@ class TieredKVCache:
         try:
             self.drain()
         finally:
-            for worker in (self.device_host, self.host_storage):
-                if worker is not None:
-                    worker.close()
-            if self.storage is not None:
-                self.storage.close()
+            for part in (self.device_host, self.host_storage, self.storage, self.states):
+                if part is not None:
+                    part.close()

@@ -98,3 +98,23 @@ class JobBook(Protocol):
     def write_to_host(self, node: TreeNode, wait: bool = False) -> bool: ...
 
     def backup_to_storage(self, node: TreeNode, wait: bool = False) -> None: ...
+
+
+@runtime_checkable
+class Snapshots(Protocol):
+    """Where a hybrid model's recurrent-state snapshots live (``StateLedger``): the evictor
+    drops them from a tier with their pages (backing them up a tier down first)."""
+
+    def drop_device(self, digests: Iterable[bytes]) -> None: ...
+
+    def drop_host(self, digests: Iterable[bytes]) -> None: ...
+
+
+@runtime_checkable
+class StateHitRule(Protocol):
+    """A hybrid model's hit rule (``RecurrentState``): a match is cut back to the deepest page
+    whose state snapshot some tier holds; ``ledger`` is where the snapshots live."""
+
+    ledger: Snapshots
+
+    def trim(self, tree, tokens, m, hit, count: bool = True): ...

@@ -115,6 +115,27 @@ def finish(
     return True
 
 
+def cut_back(manager: CacheManager, grant: PrefixGrant, tokens, length: int) -> PrefixGrant:
+    """The grant of ``grant``'s first ``length`` tokens (a whole number of pages, at most its
+    prefix): the lock moves to the node ending there (split if needed), the hits cut from the
+    deepest tier first count as missed. ``grant`` is spent; use the one returned."""
+    length = min(length, grant.prefix_len)
+    m = manager.tree.match(list(tokens)[:length], probe=False)
+    node, _ = manager.tree.node_at(m)
+    # The prefix was on the device: the match stops earlier only before a failed load's copy.
+    length = min(length, m.device_len)
+    manager.inc_lock_ref(node)
+    manager.dec_lock_ref(grant.node)
+    h = grant.hits
+    cut = grant.prefix_len - length
+    for tier in ("storage", "host", "device"):
+        take = min(cut, getattr(h, tier))
+        setattr(h, tier, getattr(h, tier) - take)
+        cut -= take
+    h.missed = h.prompt_tokens - length
+    return PrefixGrant(node, grant.slots[:length], h, grant.load_slot)
+
+
 def abort(manager: CacheManager, grant: PrefixGrant, slots: torch.Tensor) -> None:
     """Release ``grant`` without inserting anything: the request's own slots (after the
     prefix) are freed, the lock returned."""

@@ -21,7 +21,7 @@ import torch
 
 from tiered_kv.cache.accounting import check_slots
 from tiered_kv.cache.eviction import Evictor
-from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe
+from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe, StateHitRule
 from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
 from tiered_kv.cache.jobs import Job, JobTable
 from tiered_kv.cache.load_batch import LoadBatch
@@ -55,6 +55,7 @@ class CacheManager:
         selective_hits: int = 2,
         metrics: CacheMetrics | None = None,
         window: SlidingWindow | None = None,
+        states: StateHitRule | None = None,
     ) -> None:
         self.write_policy = parse(WritePolicy, write_policy, "write_policy")
         if host is not None and device_host is None:
@@ -74,12 +75,14 @@ class CacheManager:
         self.namespace = namespace
         self.selective_hits = selective_hits
         self.window = window  # a sliding-window model's hit rule and window KV (or None)
+        self.states = states  # a hybrid model's state snapshots (cache.state_hits, or None)
         self.metrics = metrics if metrics is not None else CacheMetrics()
         self.page_size = tree.page_size
         self.jobs = JobTable(device_host, host_storage, self.metrics)
         self.load_batch = LoadBatch(self.jobs, self._submit_copy)
         self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
+        self.evictor.states = states.ledger if states is not None else None
         self._device0 = getattr(device, "full_available_size", device.available_size)()
         self._host0 = host.available_size() if host is not None else 0
 
@@ -127,6 +130,8 @@ class CacheManager:
             hit, alt = prober(self.namespace, m.probe_digests, self.probe_storage)
         if self.window is not None:
             m, hit = self.window.trim(self.tree, tokens, m, hit, alt, count_hit)
+        elif self.states is not None:  # a hit needs the recurrent state at its end
+            m, hit = self.states.trim(self.tree, tokens, m, hit, count_hit)
         last_dev, last = self.tree.node_at(m)
         if count_hit:
             path = self.tree.touch(last)

@@ -64,6 +64,24 @@ class WindowCounters:
 
 
 @dataclass
+class StateCounters:
+    """Hybrid models: recurrent-state snapshots taken, restored per tier, moved and missed."""
+
+    captured: int = 0  # snapshots kept at the end of a cached prefix
+    capture_skipped: int = 0  # no device state slot could be made free for one
+    host_skipped: int = 0  # no host state slot for a backup
+    stored: int = 0  # snapshots written to the state store
+    restored_device: int = 0
+    restored_host: int = 0
+    restored_storage: int = 0
+    evicted_device: int = 0
+    evicted_host: int = 0
+    store_misses: int = 0  # a probed snapshot the store then failed to serve (or verify)
+    errors: int = 0  # state store calls that raised
+    trimmed_tokens: int = 0  # matched tokens not served: no snapshot at their end
+
+
+@dataclass
 class CacheMetrics:
     """The one stats tree of a cache."""
 
@@ -71,6 +89,7 @@ class CacheMetrics:
     device: TierCounters = field(default_factory=TierCounters)
     host: TierCounters = field(default_factory=TierCounters)
     window: WindowCounters = field(default_factory=WindowCounters)
+    state: StateCounters = field(default_factory=StateCounters)
     storage_errors: int = 0  # failed probes, refused and failed storage jobs
     transfer: TransferStats = field(default_factory=TransferStats)
 
@@ -123,13 +142,14 @@ class CacheMetrics:
                 "off": int(st.off) if st else 0,
             },
             "window": as_dict(self.window),
+            "state": as_dict(self.state),
             "occupancy": dict(occupancy),
         }
 
 
 # Cumulative values (Prometheus counters); everything else is a gauge. ``transfer`` holds a
 # rate (gbps) besides its counters.
-_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions", "window"}
+_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions", "window", "state"}
 _GAUGE_KEYS = {"gbps"}
 _COUNTER_KEYS = {"checksum_failures", "errors", "reopens", "turned_off", "skipped_while_off"}
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
@@ -196,6 +216,16 @@ def prometheus_text(stats: dict, prefix: str = "tiered_kv") -> str:
         lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
         lines.extend(samples)
     return "".join(f"{line}\n" for line in lines)
+
+
+def store_stats(store):
+    """The store's own counters, or None (no store, or one so broken it reports none)."""
+    if store is None:
+        return None
+    try:
+        return store.stats()
+    except Exception:  # noqa: BLE001 - a broken store reports no counters
+        return None
 
 
 def as_dict(obj) -> dict:

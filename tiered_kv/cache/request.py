@@ -29,6 +29,11 @@ class Request:
     grant: PrefixGrant | None = None
     owner: object = None  # the cache that began it (a request is only ever its cache's)
     window_freed: int = 0  # sliding window: tokens before this hold full KV only (page-aligned)
+    # Hybrid models: where the engine last said the state was (``track_state``), the slot
+    # holding the state at that page boundary, and the next tracking slot's turn.
+    state_position: int | None = None
+    state_slot_at: tuple[int, int] | None = None
+    state_turn: int = 0
 
     @property
     def row(self) -> int:

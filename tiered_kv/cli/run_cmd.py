@@ -25,6 +25,7 @@ from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.config import StorageConfig, TieredKVConfig
 from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
+from tiered_kv.engine.hybrid import HybridModelConfig, TinyHybrid
 from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.engine.serve import Server
@@ -59,12 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=positive_int, default=32)
     m.add_argument(
         "--attention",
-        choices=("gqa", "mla", "dsa", "swa"),
+        choices=("gqa", "mla", "dsa", "swa", "hybrid-linear"),
         default="gqa",
         help="mla: latent attention, kv_lora_rank = 2 x head-dim, rope dim = head-dim / 2 "
         "(--kv-heads is ignored); dsa: mla plus a sparse indexer (128-element fp8 keys, each "
         "query attends to its top 8 keys); swa: gqa with one full layer in every 4, the others "
-        "attending to the last 48 positions, on a sliding-window pool",
+        "attending to the last 48 positions, on a sliding-window pool; hybrid-linear: gqa "
+        "every 4th layer, the others a short conv and a gated linear recurrence whose "
+        "per-request state is cached at page boundaries beside the KV",
     )
     c = p.add_argument_group("cache")
     c.add_argument("--page-size", type=positive_int, default=16)
@@ -173,6 +176,22 @@ def main(args: argparse.Namespace) -> int:
             kv_lora_rank=mc.kv_lora_rank,
             qk_rope_head_dim=mc.qk_rope_head_dim,
         )
+    elif args.attention == "hybrid-linear":
+        mc = HybridModelConfig(
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            seed=args.seed,
+            full_layer_every=min(4, args.layers),
+        )
+        geometry = dict(
+            model="hybrid_linear", head_num=args.kv_heads, head_dim=args.head_dim,
+            full_layer_every=mc.full_layer_every, conv_kernel=mc.conv_kernel,
+            linear_heads=mc.linear_heads, linear_key_dim=mc.linear_key_dim,
+            linear_value_dim=mc.linear_value_dim,
+        )  # fmt: skip
     else:
         swa = args.attention == ModelKind.SWA
         window = dict(sliding_window=48, full_layer_every=4) if swa else {}
@@ -215,7 +234,12 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.system_prompts)
     ]
     history: dict[int, list[int]] = {u: [] for u in range(args.users)}
-    models = {ModelKind.MLA: TinyMLA, ModelKind.DSA: TinyDSA, ModelKind.SWA: TinySWA}
+    models = {
+        ModelKind.MLA: TinyMLA,
+        ModelKind.DSA: TinyDSA,
+        ModelKind.SWA: TinySWA,
+        "hybrid-linear": TinyHybrid,
+    }
     model = models.get(args.attention, TinyLlama)(mc)
     try:
         cache = TieredKVCache(cfg)

@@ -12,6 +12,7 @@ caching disabled and every logit compared.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 
 from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.engine.dsa import DenseDSAKV
+from tiered_kv.engine.hybrid import DenseHybridKV
 from tiered_kv.engine.model import DenseKV, TinyLlama
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
@@ -26,6 +28,8 @@ from tiered_kv.names import ModelKind
 
 def dense_kv_for(cfg, max_tokens: int) -> DenseKV:
     """The no-cache reference's KV for a model config (indexer keys too for a DSA model)."""
+    if hasattr(cfg, "conv_kernel"):
+        return DenseHybridKV(cfg, max_tokens)
     return (
         DenseDSAKV(cfg, max_tokens) if hasattr(cfg, "index_head_dim") else DenseKV(cfg, max_tokens)
     )
@@ -56,6 +60,18 @@ class PagedKV:
         if self.cache.config.geometry.model in (ModelKind.MLA, ModelKind.DSA):
             return k, None  # the latent holds both
         return k, pool.get_value_buffer(layer)[idx].to(self.dtype)
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid models: the request's recurrent state of ``layer`` (its own state slot)."""
+        st = self.cache.req_to_token.mamba_pool.layer_cache(layer)
+        slot = self.req.kv.mamba_pool_idx
+        return st.conv[0][slot].clone(), st.temporal[slot].clone()
+
+    def write_state(self, layer: int, conv: torch.Tensor, temporal: torch.Tensor) -> None:
+        st = self.cache.req_to_token.mamba_pool.layer_cache(layer)
+        slot = self.req.kv.mamba_pool_idx
+        st.conv[0][slot] = conv
+        st.temporal[slot] = temporal
 
     def write_index(self, layer: int, keys: torch.Tensor) -> None:
         """DSA: the indexer keys of the tokens being computed."""
@@ -103,6 +119,16 @@ class Server:
             ]
             if dsa:
                 checks.append(("index_head_dim", mc.index_head_dim, c.index_head_dim))
+        elif hasattr(mc, "conv_kernel"):  # a hybrid model: full attention + recurrent layers
+            checks = [
+                ("cache kind", "hybrid_linear", c.model),
+                ("layers", mc.num_layers, c.num_layers),
+                ("KV heads", mc.num_kv_heads, c.head_num),
+                ("head_dim", mc.head_dim, c.head_dim),
+                ("full_layer_every", mc.full_layer_every, c.full_layer_every),
+                ("conv state", mc.conv_state_shape(), c.conv_state_shape()),
+                ("recurrent state", mc.temporal_state_shape(), c.temporal_state_shape()),
+            ]
         else:
             swa = hasattr(mc, "sliding_window")
             checks = [
@@ -132,7 +158,7 @@ class Server:
             prefix = req.prefix_len
             cache.extend(req, prompt[prefix:])
             kv = PagedKV(cache, req, model.embed.dtype)
-            logits = model.forward(torch.tensor(prompt[prefix:]), prefix, kv, self.chunk)
+            logits = self._forward(torch.tensor(prompt[prefix:]), prefix, kv, req)
             ttft = time.perf_counter() - t0
             served = [logits[-1]]
             out: list[int] = []
@@ -141,7 +167,7 @@ class Server:
                 token = int(served[-1].argmax())
                 out.append(token)
                 cache.decode(req, token)
-                served.append(model.forward(torch.tensor([token]), pos, kv, self.chunk)[-1])
+                served.append(self._forward(torch.tensor([token]), pos, kv, req)[-1])
                 pos += 1
         except BaseException:
             # A failed forward or a full device: release the request's row, lock and slots
@@ -161,15 +187,19 @@ class Server:
             self._verify(prompt, out, served, record)
         return out, record
 
+    def _forward(self, tokens: torch.Tensor, start: int, kv: PagedKV, req: Request):
+        if self.cache.states is None:
+            return self.model.forward(tokens, start, kv, self.chunk)
+        # A hybrid model: the cache keeps the state at every page boundary the forward crosses
+        # (the snapshot at the end of the cached prefix comes from there).
+        track = functools.partial(self.cache.track_state, req)
+        return self.model.forward(tokens, start, kv, self.chunk, on_boundary=track)
+
     def _verify(self, prompt, out, served, record: RequestRecord) -> None:
         """Recompute with caching disabled; compare every logit the served run produced."""
         model = self.model
         size = len(prompt) + len(out) + 1
-        dense = (
-            DenseDSAKV(model.cfg, size)
-            if hasattr(model.cfg, "index_head_dim")
-            else DenseKV(model.cfg, size)
-        )
+        dense = dense_kv_for(model.cfg, size)
         t = time.perf_counter()
         logits = model.forward(torch.tensor(prompt), 0, dense, self.chunk)
         record.recompute_ttft_s = time.perf_counter() - t

@@ -1,0 +1,273 @@
+"""A hybrid model (full attention + recurrent layers) through the tiered cache: a prefix is
+served only with its KV pages and the recurrent state at its end, from every tier and after a
+restart, bit for bit; a missing, failed or corrupted snapshot is a miss, never a wrong state."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiered_kv.cache import TieredKVCache
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.engine.hybrid import HybridModelConfig, TinyHybrid
+from tiered_kv.engine.serve import Server
+from tiered_kv.errors import InvalidArgumentError
+
+MC = HybridModelConfig(
+    num_layers=4, hidden=48, num_heads=4, num_kv_heads=2, head_dim=12, intermediate=96,
+    full_layer_every=2, conv_kernel=3, linear_heads=2, linear_key_dim=8, linear_value_dim=12,
+    seed=5,
+)  # fmt: skip
+PS = 8
+
+
+def config(tmp_path, **over) -> TieredKVConfig:
+    fields = dict(
+        model="hybrid_linear", num_layers=MC.num_layers, head_num=MC.num_kv_heads,
+        head_dim=MC.head_dim, full_layer_every=MC.full_layer_every, conv_kernel=MC.conv_kernel,
+        linear_heads=MC.linear_heads, linear_key_dim=MC.linear_key_dim,
+        linear_value_dim=MC.linear_value_dim, page_size=PS, device_tokens=320, host_tokens=640,
+        max_requests=4, storage_bytes=32 << 20, storage_path=str(tmp_path / "store"),
+        model_id="hybrid-test@1", prefetch_threshold=PS, prefetch_policy="wait_complete",
+        state_snapshot_every=3,
+    )  # fmt: skip
+    fields.update(over)
+    return TieredKVConfig.flat(**fields)
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyHybrid:
+    return TinyHybrid(MC)
+
+
+def conversation(server: Server, rng: random.Random, users=3, rounds=3, system=None):
+    """Users sharing a system prompt, each round's prompt its whole history plus a question."""
+    system = system or [rng.randrange(1, 500) for _ in range(3 * PS + 5)]
+    history = {u: [] for u in range(users)}
+    records = []
+    for _ in range(rounds):
+        for u in range(users):
+            q = [rng.randrange(1, 500) for _ in range(rng.randrange(5, 19))]
+            prompt = system + history[u] + q
+            out, rec = server.serve(prompt, rng.randrange(1, 7), verify=True)
+            history[u] += q + out
+            records.append(rec)
+    return records, system
+
+
+def no_leak(cache: TieredKVCache) -> None:
+    cache.drain()
+    rows = cache.req_to_token
+    assert rows.available_size() == cache.config.device.max_requests
+    ledger = cache.states.ledger
+    held = ledger.device_slots()
+    assert len(held) == len(set(held))
+    assert rows.mamba_allocator.available_size() + len(held) == rows.mamba_pool.size
+    host = ledger.host_slots()
+    assert len(host) == len(set(host))
+    assert ledger.host.available_size() + len(host) == ledger.host.num_slots
+    cache.manager.check_integrity()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "page_first_direct"])
+def test_logits_are_bitwise_from_every_tier_and_after_a_restart(tmp_path, model, host_layout):
+    rng = random.Random(11)
+    totals = {"device": 0, "host": 0, "storage": 0}
+    restored = {"device": 0, "host": 0, "storage": 0}
+    system = None
+    for _ in range(2):  # the second cache opens the first one's store: a restart
+        cache = TieredKVCache(config(tmp_path, host_layout=host_layout, device_tokens=160))
+        records, system = conversation(Server(model, cache), rng, users=4, system=system)
+        assert all(r.bitwise for r in records), [r.max_rel_diff for r in records]
+        for tier in totals:
+            totals[tier] += sum(getattr(r, tier) for r in records)
+        st = cache.stats()["state"]
+        for tier in restored:
+            restored[tier] += st[f"restored_{tier}"]
+        no_leak(cache)
+        cache.close()
+    assert all(totals.values()), totals
+    assert all(restored.values()), restored
+
+
+def test_requests_sharing_a_prompt_hit_its_snapshot_points(tmp_path, model):
+    cache = TieredKVCache(config(tmp_path, state_snapshot_every=3))
+    server = Server(model, cache)
+    rng = random.Random(3)
+    system = [rng.randrange(1, 500) for _ in range(3 * PS + 2)]
+    first = system + list(range(30, 42))  # cached to 5 pages: its end is past the branch
+    server.serve(first, 2, verify=True)
+    _, rec = server.serve(system + [10, 11, 12, 13], 2, verify=True)
+    assert rec.bitwise and rec.device == 3 * PS  # the snapshot every 3 pages, not the end
+    every_end = TieredKVCache(config(tmp_path / "b", state_snapshot_every=0))
+    server = Server(model, every_end)
+    server.serve(first, 2, verify=True)
+    _, rec = server.serve(system + [10, 11, 12, 13], 2, verify=True)
+    assert rec.bitwise and rec.device == 0  # KV cached, but no state at the branch point
+    assert every_end.stats()["state"]["trimmed_tokens"] >= 3 * PS
+    cache.close()
+    every_end.close()
+
+
+def _flip_one_state_element(cache: TieredKVCache, tier: str) -> None:
+    ledger = cache.states.ledger
+    (digest, snap), *_ = [(d, s) for d, s in ledger.snaps.items() if getattr(s, tier) is not None]
+    if tier == "device":
+        temporal = cache.req_to_token.mamba_pool.temporal
+        temporal[0, snap.device, 0, 0, 0] += 1.0
+    else:
+        row = ledger.host.get_page_bytes(snap.host)
+        row.view(torch.float32)[-1] += 1.0  # the last temporal element of the last layer
+        if not ledger.host.page_bytes_zero_copy:
+            ledger.host.set_page_bytes(snap.host, row)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_flipped_state_element_changes_the_logits(tmp_path, model, tier):
+    """The negative control: the verification above can fail. One snapshot, one element."""
+    cache = TieredKVCache(config(tmp_path, storage_bytes=0, state_snapshot_every=0))
+    server = Server(model, cache)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 500) for _ in range(2 * PS - 1)]
+    out, _ = server.serve(prompt, 1, verify=True)  # 2 pages cached, a snapshot at their end
+    if tier == "host":
+        cache.states.ledger.drop_device(list(cache.states.ledger.snaps))
+    _flip_one_state_element(cache, tier)
+    _, rec = server.serve(prompt + out + [3, 4, 5], 2, verify=True)
+    assert rec.device + rec.host == 2 * PS
+    assert rec.bitwise is False and rec.max_rel_diff > 0
+    cache.close()
+
+
+def test_kv_without_its_snapshot_is_a_miss_not_a_wrong_state(tmp_path, model):
+    cache = TieredKVCache(config(tmp_path, storage_bytes=0, state_snapshot_every=0))
+    server = Server(model, cache)
+    rng = random.Random(6)
+    prompt = [rng.randrange(1, 500) for _ in range(3 * PS + 1)]
+    out, _ = server.serve(prompt, 2, verify=True)
+    cache.states.ledger.clear_memory()  # the KV pages stay in the tree, every snapshot goes
+    assert cache.tree.device_tokens >= 3 * PS
+    _, rec = server.serve(prompt + out + [9, 9], 1, verify=True)
+    assert rec.bitwise and rec.device == rec.host == rec.storage == 0
+    no_leak(cache)
+    cache.close()
+
+
+class FlakyStore:
+    """The state store behind a ledger, failing at random: raising, reporting a page present
+    that it then fails to serve, scribbling on the host slot before reporting a miss."""
+
+    def __init__(self, inner, rng: random.Random, rate: float) -> None:
+        self.inner, self.rng, self.rate, self.fired = inner, rng, rate, 0
+
+    def _fault(self) -> bool:
+        hit = self.rng.random() < self.rate
+        self.fired += hit
+        return hit
+
+    def batch_exists(self, keys):
+        if self._fault():
+            raise OSError("injected: exists")
+        return self.inner.batch_exists(keys)
+
+    def batch_get(self, keys, source, pages):
+        if self._fault():
+            for p in pages:  # garbage where the snapshot would go, then a miss
+                source.set_page_bytes(
+                    p, torch.randint(0, 256, (source.page_nbytes,), dtype=torch.uint8)
+                )
+            return [False] * len(keys)
+        if self._fault():
+            raise OSError("injected: get")
+        return self.inner.batch_get(keys, source, pages)
+
+    def batch_set(self, keys, source, pages):
+        if self._fault():
+            raise OSError("injected: set")
+        return self.inner.batch_set(keys, source, pages)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_state_faults_are_misses(tmp_path, model, seed):
+    """Faults at random in the state store and in state copies, with tiny state pools (so
+    snapshots move between tiers all the time): every request's logits stay bitwise."""
+    rng = random.Random(seed)
+    cfg = config(tmp_path, device_state_slots=7, host_state_slots=4, state_snapshot_every=2)
+    copies = {"fired": 0}
+    system = None
+    for _ in range(2):
+        cache = TieredKVCache(cfg)
+        ledger = cache.states.ledger
+        ledger.store = FlakyStore(ledger.store, rng, 0.2)
+        for owner, name in ((ledger.pool, "copy_from"), (ledger.host, "load_to_device"),
+                            (ledger.host, "backup_from_device")):  # fmt: skip
+            real = getattr(owner, name)
+
+            def flaky(*a, _real=real, **k):
+                if rng.random() < 0.1:
+                    copies["fired"] += 1
+                    raise RuntimeError("injected copy failure")
+                return _real(*a, **k)
+
+            setattr(owner, name, flaky)
+        records, system = conversation(Server(model, cache), rng, users=3, rounds=3, system=system)
+        assert all(r.bitwise for r in records)
+        fired = ledger.store.fired
+        no_leak(cache)
+        cache.close()
+        assert fired > 0
+    assert copies["fired"] > 0
+
+
+def test_the_ngram_sibling_rides_along_with_the_state(tmp_path, model):
+    cache = TieredKVCache(config(tmp_path, ngram_context_len=6, state_snapshot_every=0))
+    server = Server(model, cache)
+    ngram = cache.req_to_token.ngram_pool
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, 500) for _ in range(2 * PS - 1)]
+    req = cache.begin(prompt)
+    cache.extend(req, prompt[req.prefix_len :])
+    history = torch.randint(1, 1000, (6,), dtype=torch.int32)
+    ngram.push(req.kv.mamba_pool_idx, history)
+    cache.track_state(req, 8)  # no KV forward needed for the sibling's bookkeeping
+    cache.extend(req, [1])
+    cache.track_state(req, 16)
+    expect = ngram.context(torch.tensor([req.kv.mamba_pool_idx])).clone()
+    cache.finish(req)
+    cache.states.ledger.drop_device(list(cache.states.ledger.snaps))  # host copy only now
+    again = cache.begin(prompt + [1, 2])
+    assert again.prefix_len == 2 * PS
+    got = ngram.context(torch.tensor([again.kv.mamba_pool_idx]))
+    assert torch.equal(got, expect)
+    cache.abort(again)
+    fresh = cache.begin([4, 5, 6])  # a new row never shows another request's sibling rows
+    assert torch.equal(
+        ngram.context(torch.tensor([fresh.kv.mamba_pool_idx])),
+        torch.zeros(1, 6, dtype=torch.int32),
+    )
+    cache.abort(fresh)
+    del server
+    cache.close()
+
+
+def test_track_state_checks_its_position(tmp_path):
+    cache = TieredKVCache(config(tmp_path, storage_bytes=0))
+    req = cache.begin(list(range(1, 12)))
+    cache.extend(req, list(range(1, 12)))
+    for bad in (0, 3, 16, True, 8.0):
+        with pytest.raises(InvalidArgumentError):
+            cache.track_state(req, bad)
+    cache.track_state(req, 8)
+    cache.abort(req)
+    plain = TieredKVCache(TieredKVConfig.flat(host_tokens=0))
+    r = plain.begin([1, 2, 3])
+    with pytest.raises(InvalidArgumentError):
+        plain.track_state(r, 16)
+    plain.abort(r)
+    plain.close()
+    cache.close()
