@@ -412,7 +412,7 @@ def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
     assert [r["host_policy"] for r in json.loads(same.read_text())["rows"]] == ["lru", "s3fifo"]
 
 
-@pytest.mark.parametrize("attention", ["mla", "dsa", "swa"])
+@pytest.mark.parametrize("attention", ["mla", "dsa", "swa", "hybrid-linear"])
 def test_run_with_each_attention_kind_verifies_bitwise(tmp_path, attention):
     store = str(tmp_path / attention)
     code, res, printed = _run(["--store", store, "--attention", attention])
