@@ -271,3 +271,73 @@ def test_track_state_checks_its_position(tmp_path):
     plain.abort(r)
     plain.close()
     cache.close()
+
+
+def test_a_state_computed_over_a_failed_load_is_never_kept(tmp_path, model, monkeypatch):
+    """Request A's prefix load fails; its forward goes on (over garbage KV) past pages that the
+    tree holds without snapshots. Its periodic snapshots there must not be taken: request B
+    would restore that state with the tree's good KV and compute wrong logits."""
+    cache = TieredKVCache(config(tmp_path, storage_bytes=0, state_snapshot_every=1))
+    server = Server(model, cache)
+    rng = random.Random(9)
+    prompt = [rng.randrange(1, 500) for _ in range(5 * PS + 3)]
+    out, _ = server.serve(prompt, 1, verify=True)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)  # KV and snapshots on the host only
+    ledger = cache.states.ledger
+    digests = [d for n in cache.tree.nodes() for d in n.digests]
+    assert len(digests) == 5
+    from tiered_kv.storage.keys import page_digests
+
+    chain = page_digests(prompt[: 5 * PS], PS)
+    ledger.drop_host(chain[2:])  # snapshots after page 2 gone; their KV pages stay
+    real = cache.host_pool.load_to_device_per_layer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", broken)
+    a = cache.begin(prompt + [1])
+    assert a.prefix_len == 2 * PS
+    cache.extend(a, (prompt + [1])[a.prefix_len :])
+    garbage = cache.req_to_token.mamba_pool.temporal
+    for pos in (3 * PS, 4 * PS, 5 * PS):
+        garbage[:, a.kv.mamba_pool_idx] = torch.randn_like(garbage[:, a.kv.mamba_pool_idx])
+        cache.track_state(a, pos)
+    assert all(ledger.held(d) is None for d in chain[2:])
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", real)
+    cache.abort(a)
+    _, rec = server.serve(prompt + [2, 3], 1, verify=True)
+    assert rec.bitwise and rec.device + rec.host == 2 * PS
+    no_leak(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize(
+    "extra, overlap, lazy, tracking",
+    [
+        (False, False, False, 0),
+        (True, False, False, 1),
+        (True, True, False, 2),
+        (True, True, True, 2),
+    ],
+)
+def test_every_tracking_mode_serves_bitwise(tmp_path, model, extra, overlap, lazy, tracking):
+    cfg = config(
+        tmp_path, storage_bytes=0, state_extra_buffer=extra, state_overlap=overlap,
+        state_lazy=lazy, state_snapshot_every=0,
+    )  # fmt: skip
+    cache = TieredKVCache(cfg)
+    records, _ = conversation(Server(model, cache), random.Random(4), users=2, rounds=3)
+    assert all(r.bitwise for r in records)
+    st = cache.stats()["state"]
+    if extra:  # each finished request leaves a snapshot at its cached prefix's end
+        assert st["captured"] == len(records) and sum(r.device + r.host for r in records) > 0
+    req = cache.begin([1, 2, 3])
+    assert len([s for s in req.kv.mamba_tracking if s >= 0]) == (1 if lazy else tracking)
+    cache.extend(req, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    cache.track_state(req, PS)
+    assert len([s for s in req.kv.mamba_tracking if s >= 0]) == tracking  # lazy: taken now
+    cache.abort(req)
+    no_leak(cache)
+    cache.close()

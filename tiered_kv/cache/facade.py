@@ -295,7 +295,7 @@ class TieredKVCache:
             self.manager, req.grant, req.tokens, req.slots, windowless=req.window_freed
         )
         if inserted and self.states is not None:
-            self.states.capture(req, req.tokens)  # the state at its cached prefix's end
+            self.states.capture(req, req.tokens, self.manager)  # the state at its end
         self.req_to_token.free(req.row)
         req.finished = True
 
@@ -306,7 +306,7 @@ class TieredKVCache:
         self._check_live(req)
         if self.states is None:
             raise InvalidArgumentError("track_state needs a hybrid_linear model's cache")
-        self.states.track(req, position)
+        self.states.track(req, position, self.manager)
 
     @_serialized
     def abort(self, req: Request) -> None:

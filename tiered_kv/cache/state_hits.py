@@ -31,9 +31,20 @@ from tiered_kv.cache.prefix_match import StorageHit
 from tiered_kv.cache.state_ledger import StateLedger
 from tiered_kv.device.hybrid_req_pool import HybridReqToTokenPool, HybridRequestKV
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import PendingKind
 from tiered_kv.storage.keys import digest_of, page_digests
 from tiered_kv.tree.node import path_to_root
 from tiered_kv.tree.tiered_tree import TieredTree, TreeMatch
+
+
+def _prefix_proven(manager, req) -> bool:
+    """Whether every load into ``req``'s prefix has been acknowledged ok (none in flight, none
+    failed); without a manager, whether the request's node is not stale."""
+    if manager is None:
+        return not req.node.stale
+    manager.poll()
+    in_flight = any(PendingKind.LOAD in n.pending for n in path_to_root(req.node))
+    return not in_flight and not manager.holds_stale(req.node)
 
 
 class RecurrentState:
@@ -102,9 +113,12 @@ class RecurrentState:
         self.req_pool.mamba_pool.clear_slots(torch.tensor([state_slot], dtype=torch.int64))
         return grant
 
-    def track(self, req, position: int) -> None:
+    def track(self, req, position: int, manager=None) -> None:
         """The engine's forward of ``req`` has just absorbed token ``position - 1`` in every
-        recurrent layer (``position`` a page boundary): keep that state in a tracking slot."""
+        recurrent layer (``position`` a page boundary): keep that state in a tracking slot (and
+        a snapshot, at a ``every``-th page). ``manager``: the snapshot is taken only once the
+        loads of the request's prefix are known to have landed whole (a state computed over a
+        failed load's garbage KV must never be kept where another request could restore it)."""
         ps = self.page_size
         if (
             isinstance(position, bool)
@@ -119,11 +133,18 @@ class RecurrentState:
         kv = req.kv
         req.state_position = position
         pages = position // ps
-        if self.every and pages % self.every == 0 and position > req.prefix_len:
+        if (
+            self.every
+            and pages % self.every == 0
+            and position > req.prefix_len
+            and _prefix_proven(manager, req)
+        ):
             # Named by its page's digest: it becomes a hit once those pages are in the tree.
             digest = page_digests(req.tokens[:position], ps)[-1]
             self.ledger.capture(digest, kv.mamba_pool_idx)
-        tracking = [s for s in kv.mamba_tracking if s >= 0]  # a lazy second one may be deferred
+        if any(s < 0 for s in kv.mamba_tracking):  # a lazily deferred slot: take it now
+            self.req_pool.ensure_tracking_slots(kv)  # (short of slots: go on with the one)
+        tracking = [s for s in kv.mamba_tracking if s >= 0]
         if tracking:
             slot = tracking[req.state_turn % len(tracking)]
             req.state_turn += 1
@@ -139,12 +160,13 @@ class RecurrentState:
         else:
             req.state_slot_at = (position, kv.mamba_pool_idx)
 
-    def capture(self, req, tokens) -> bool:
+    def capture(self, req, tokens, manager=None) -> bool:
         """At ``finish`` (after its pages went into the tree): a snapshot of the state at the
-        end of the request's cached prefix, if the engine tracked it there."""
+        end of the request's cached prefix, if the engine tracked it there and every load of
+        its prefix is known to have landed whole."""
         full = len(tokens) - len(tokens) % self.page_size
         at = getattr(req, "state_slot_at", None)
-        if not full or at is None or at[0] != full:
+        if not full or at is None or at[0] != full or not _prefix_proven(manager, req):
             return False
         slot = at[1]
         # The working slot holds the state at ``full`` only while nothing was computed after.
