@@ -341,3 +341,38 @@ def test_every_tracking_mode_serves_bitwise(tmp_path, model, extra, overlap, laz
     cache.abort(req)
     no_leak(cache)
     cache.close()
+
+
+def test_begin_many_restores_each_requests_state(tmp_path, model):
+    """A batch begun together: each request gets the state at its own prefix's end (the same
+    bytes a lone begin restores), its KV loads going as one job."""
+    cache = TieredKVCache(config(tmp_path, storage_bytes=0, device_tokens=160))
+    server = Server(model, cache)
+    records, system = conversation(server, random.Random(12), users=3, rounds=2)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)  # host hits: the batch loads them back
+    pool = cache.req_to_token.mamba_pool
+    rng = random.Random(13)
+    prompts = [system + [rng.randrange(1, 500) for _ in range(3)] for _ in range(2)]
+    prompts.append(prompts[0][: len(system)] + [7])
+
+    def state_bytes(req):
+        idx = torch.tensor([req.kv.mamba_pool_idx])
+        parts = [c[idx] for c in pool.conv] + [pool.temporal[:, idx]]
+        return [p.view(torch.uint8).clone() for p in parts], req.prefix_len
+
+    alone = []
+    for p in prompts:
+        r = cache.begin(p)
+        alone.append(state_bytes(r))
+        cache.abort(r)
+    batch = cache.begin_many(prompts)
+    for r, (want, prefix) in zip(batch, alone, strict=True):
+        got, got_prefix = state_bytes(r)
+        assert got_prefix == prefix
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert any(prefix for _, prefix in alone)
+    for r in batch:
+        cache.abort(r)
+    no_leak(cache)
+    cache.close()

@@ -297,6 +297,7 @@ def summarize(args, cfg, records, stats, elapsed) -> dict:
         "transfers": stats["transfer"],
         "evictions": stats["evictions"],
         "storage": stats["storage"],
+        "state": stats["state"],
         "ttft": ttft,
         "verification": {
             "requests": len(verified),
@@ -329,6 +330,14 @@ def print_report(res: dict) -> None:
     ]
     print()
     print(table(["transfer", "MiB", "ms", "GB/s", "ops", "failed"], rows))
+    st = res["state"]
+    if st["captured"]:
+        print(
+            f"\nrecurrent state: {st['captured']} snapshots kept ({st['stored']} stored); "
+            f"restored from device {st['restored_device']}, host {st['restored_host']}, "
+            f"storage {st['restored_storage']}; {st['trimmed_tokens']} matched tokens cut back "
+            f"for want of a snapshot; {st['store_misses'] + st['errors']} misses"
+        )
     t = res["ttft"]
     print()
     if t["restored_median_s"] is not None and t["recompute_median_s"] is not None:
