@@ -225,9 +225,16 @@ class MambaPool:
         """Zero rows ``slots`` of every buffer and of every registered sibling (which resets
         them to its own initial value). Validates first; on error nothing changes."""
         idx = state_slots("slots", slots, self.device, self.num_rows, read_values=self._read_values)
-        for c in self.conv:
-            c.index_fill_(0, idx, 0)
-        self.temporal.index_fill_(1, idx, 0)
+        few = self._few(idx)
+        if few is not None:  # row views: no index kernels (10x faster for one slot on CPU)
+            for r in few:
+                for c in self.conv:
+                    c[r].zero_()
+                self.temporal[:, r].zero_()
+        else:
+            for c in self.conv:
+                c.index_fill_(0, idx, 0)
+            self.temporal.index_fill_(1, idx, 0)
         for s in self._siblings:
             s.clear_slots(idx)
 
@@ -237,11 +244,24 @@ class MambaPool:
         src, dst = copy_slot_pair(
             src_slots, dst_slots, self.device, self.num_rows, read_values=self._read_values
         )
-        for c in self.conv:
-            c[dst] = c[src]
-        self.temporal[:, dst] = self.temporal[:, src]
+        few_src, few_dst = self._few(src), self._few(dst)
+        if few_src is not None and few_dst is not None and not set(few_src) & set(few_dst):
+            for a, b in zip(few_src, few_dst, strict=True):  # row views, as in clear_slots
+                for c in self.conv:
+                    c[b].copy_(c[a])
+                self.temporal[:, b].copy_(self.temporal[:, a])
+        else:
+            for c in self.conv:
+                c[dst] = c[src]
+            self.temporal[:, dst] = self.temporal[:, src]
         for s in self._siblings:
             s.copy_from(src, dst)
+
+    def _few(self, idx: torch.Tensor) -> list[int] | None:
+        """A few slots on a CPU pool as ints (reading them is free there), else None."""
+        if self.device.type != "cpu" or idx.numel() > 8:
+            return None
+        return idx.tolist()
 
     # -- host tier ----------------------------------------------------------------------------
     def state_decl(self) -> StatePoolDecl:
