@@ -41,6 +41,7 @@ MAX_LIVE = 4
 MAX_PROMPT = 40
 MAX_DECODE = 6
 OPS = int(os.environ.get("TIERED_KV_CAMPAIGN_OPS", 2000))
+ENGINE_KINDS = ("mha", "hybrid")  # pools with one host pool (its copies may run as engine jobs)
 
 
 class InjectedCopyFault(RuntimeError):
@@ -173,7 +174,12 @@ def inject(cache: TieredKVCache, faults: Faults, engine: bool) -> None:
         break_engine_jobs(cache.host_pool, faults)
     else:
         break_copies(cache.host_pool, faults)
-    outer = cache.storage
+    break_guarded(cache.storage, faults)
+
+
+def break_guarded(outer, faults: Faults) -> None:
+    """The store a GuardedStorage wraps (or ``outer`` itself) fails at random; then calls into
+    the guard itself raise now and then as well."""
     inner = getattr(outer, "inner", None)
     break_store(inner if inner is not None else outer, faults)
     if inner is None:
@@ -200,6 +206,8 @@ class Live:
 class Campaign:
     """The serving loop under faults, with the oracle's counts (``n``) and tier hits."""
 
+    model_cls = Model  # the stand-in model: KV per token prefix
+
     def __init__(
         self, tmp_path, seed: int, write_policy: str, prefetch_policy: str, kind: str = "mha"
     ) -> None:
@@ -207,12 +215,8 @@ class Campaign:
         self.faults = Faults(seed, rate=0.1)
         # Half the seeds break the copy engine's jobs (which the kernel io backend uses), half
         # the host pool's copy methods. A host pool group (SWA, DSA) has no engine path.
-        self.engine = seed % 2 == 1 and kind == "mha"
-        window = {
-            # A window shorter than most prompts: requests release window KV, tombstones form.
-            "swa": dict(model="swa", full_layer_every=2, sliding_window=9),
-            "dsa": dict(model="dsa", kv_lora_rank=16, qk_rope_head_dim=8),
-        }.get(kind, {})
+        self.engine = seed % 2 == 1 and kind in ENGINE_KINDS
+        window = self.model_fields(kind)
         io = IOBackend.KERNEL.value if self.engine else self.rng.choice(IOBackend.values())
         self.config = make_config(
             tmp_path,
@@ -241,11 +245,19 @@ class Campaign:
         )
         self.n = dict.fromkeys((*counts, "restarts", "stored_found"), 0)
         self.cache = self._open()
-        self.model = Model(self.cache, torch.Generator().manual_seed(seed))
+        self.model = self.model_cls(self.cache, torch.Generator().manual_seed(seed))
         self.live: list[Live] = []
         self.prompts: list[list[int]] = []
         self.tiers = {"device": 0, "host": 0, "storage": 0}
         self.first_wrong: str | None = None
+
+    def model_fields(self, kind: str) -> dict:
+        """The config fields of this pool kind beyond the campaign's own."""
+        return {
+            # A window shorter than most prompts: requests release window KV, tombstones form.
+            "swa": dict(model="swa", full_layer_every=2, sliding_window=9),
+            "dsa": dict(model="dsa", kv_lora_rank=16, qk_rope_head_dim=8),
+        }.get(kind, {})
 
     def _open(self) -> TieredKVCache:
         cache = TieredKVCache(self.config)
