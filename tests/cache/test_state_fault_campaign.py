@@ -49,7 +49,7 @@ from tiered_kv.storage.keys import page_digests
 
 OPS = int(os.environ.get("TIERED_KV_CAMPAIGN_OPS", 1200))
 # Run i: SEEDS[i] under PrefetchPolicy.values()[i], every write policy (each of the nine restores
-# from every state tier); another seed: TIERED_KV_CAMPAIGN_SEED. Known failures are xfail below.
+# from every state tier); another seed: TIERED_KV_CAMPAIGN_SEED.
 SEEDS = (16, 19, 12)  # 19: faults in the copy engine's jobs (an odd seed)
 CARELESS = 0.5  # first forwards that go on over a failed prefix load
 
@@ -440,15 +440,11 @@ def test_state_fault_campaign_serves_only_exact_kv_and_state(tmp_path, write_pol
     run_hybrid_campaign(tmp_path, seed, write_policy, PrefetchPolicy.values()[run])
 
 
-@pytest.mark.xfail(
-    raises=KeyError,
-    strict=False,
-    reason="StateLedger: making room for a device snapshot backs another one up to a full host "
-    "tier, whose LRU eviction can forget the very snapshot capture() is filling (or the next "
-    "one free_device_slots() visits): KeyError out of track_state / finish / begin",
-)
-def test_state_fault_campaign_known_failure_write_back(tmp_path):
-    """Seed 11 under write_back (device-only snapshots are common there) hits that KeyError."""
+def test_state_fault_campaign_write_back_seed_11(tmp_path):
+    """Seed 11 under write_back (device-only snapshots are common there) hit a KeyError: making
+    room for a device snapshot backed another up to a full host tier, whose eviction forgot the
+    very snapshot capture() was filling (StateLedger now protects the snapshots a call works
+    on)."""
     policies = WritePolicy.WRITE_BACK.value, PrefetchPolicy.WAIT_COMPLETE.value
     run_hybrid_campaign(tmp_path, 11, *policies)
 

@@ -22,6 +22,7 @@ that fails or raises is a counted miss (``StateCounters.errors``), never an erro
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -71,6 +72,9 @@ class StateLedger:
         self.write_through = write_through
         self.counts = counters if counters is not None else StateCounters()
         self.snaps: OrderedDict[bytes, Snapshot] = OrderedDict()  # oldest use first
+        # Snapshots a call in progress works on (nested: capture -> make room -> back one up
+        # -> make host room): never chosen to make room, so none is dropped under its caller.
+        self._busy: set[bytes] = set()
 
     # -- reading --------------------------------------------------------------------------------
     def held(self, digest: bytes) -> Tier | None:
@@ -106,7 +110,12 @@ class StateLedger:
         if s is not None and s.device is not None:
             self.snaps.move_to_end(digest)  # the same prefix's state: bytes equal, keep ours
             return True
-        slot = self.take_device_slot(protect=digest)
+        with self._working(digest):
+            return self._capture(digest, source_slot)
+
+    def _capture(self, digest: bytes, source_slot: int) -> bool:
+        slot = self.take_device_slot()
+        s = self.snaps.get(digest)
         if slot is None:
             self.counts.capture_skipped += 1
             return False
@@ -156,7 +165,8 @@ class StateLedger:
     def _fetch(self, digest: bytes) -> bool:
         if self.store is None:
             return False
-        h = self.take_host_slot(protect=digest)
+        with self._working(digest):
+            h = self.take_host_slot()
         if h is None:
             return False
         try:
@@ -181,7 +191,8 @@ class StateLedger:
             return False
         if s.host is not None or s.device is None:
             return s.host is not None
-        h = self.take_host_slot(protect=digest)
+        with self._working(digest):
+            h = self.take_host_slot()
         if h is None:
             self.counts.host_skipped += 1
             return False
@@ -227,7 +238,8 @@ class StateLedger:
                 self._evict_host(d, s)
 
     def _evict_device(self, d: bytes, s: Snapshot) -> None:
-        self.to_host(d)
+        with self._working(d):
+            self.to_host(d)
         self.slots.free(_one(s.device))
         s.device = None
         self.counts.evicted_device += 1
@@ -245,34 +257,50 @@ class StateLedger:
             del self.snaps[d]
 
     # -- capacity -------------------------------------------------------------------------------
-    def take_device_slot(self, protect: bytes | None = None) -> int | None:
+    @contextlib.contextmanager
+    def _working(self, digest: bytes):
+        added = digest not in self._busy
+        self._busy.add(digest)
+        try:
+            yield
+        finally:
+            if added:
+                self._busy.discard(digest)
+
+    def _victims(self, tier: str):
+        """(digest, snapshot) holding a copy on ``tier``, least recently used first, skipping
+        those a call in progress works on; read afresh at each step (making room may drop
+        others)."""
+        for d in list(self.snaps):
+            s = self.snaps.get(d)
+            if s is not None and d not in self._busy and getattr(s, tier) is not None:
+                yield d, s
+
+    def take_device_slot(self) -> int | None:
         """A free Mamba slot for a snapshot, evicting the least recently used device snapshots
-        (never ``protect``'s) until one frees. None when none can."""
-        if not self.free_device_slots(1, protect):
+        (never one a call in progress works on) until one frees. None when none can."""
+        if not self.free_device_slots(1):
             return None
         return int(self.slots.alloc(1)[0])
 
-    def free_device_slots(self, n: int, protect: bytes | None = None) -> bool:
+    def free_device_slots(self, n: int) -> bool:
         """Evict device snapshots (oldest first) until ``n`` Mamba slots are free (for a
         snapshot, or for the requests a scheduler admits). Returns whether they are."""
-        for d in list(self.snaps):
+        for d, s in self._victims("device"):
             if self.slots.available_size() >= n:
                 break
-            s = self.snaps[d]
-            if d != protect and s.device is not None:
+            if s.device is not None:  # still (an earlier eviction may have moved it)
                 self._evict_device(d, s)
         return self.slots.available_size() >= n
 
-    def take_host_slot(self, protect: bytes | None = None) -> int | None:
+    def take_host_slot(self) -> int | None:
         if self.host is None:
             return None
         got = self.host.alloc(1)
         if got is None:
-            for d in list(self.snaps):
-                s = self.snaps[d]
-                if d != protect and s.host is not None:
-                    self._evict_host(d, s)
-                    break
+            for d, s in self._victims("host"):
+                self._evict_host(d, s)
+                break
             got = self.host.alloc(1)
         return int(got[0]) if got is not None else None
 
