@@ -376,3 +376,31 @@ def test_begin_many_restores_each_requests_state(tmp_path, model):
         cache.abort(r)
     no_leak(cache)
     cache.close()
+
+
+def test_a_corrupted_stored_snapshot_is_a_miss(tmp_path, model):
+    """A restart finds the pages and snapshots in the store; every stored snapshot has one
+    flipped byte on disk: each fails its checksum, the prefix is cut back (to nothing, there
+    being no other snapshot), and the logits stay bitwise."""
+    cfg = config(tmp_path, state_snapshot_every=0)
+    cache = TieredKVCache(cfg)
+    server = Server(model, cache)
+    rng = random.Random(21)
+    prompt = [rng.randrange(1, 500) for _ in range(3 * PS + 2)]
+    out, _ = server.serve(prompt, 2, verify=True)
+    cache.close()
+    ns = cache.states.ledger.namespace
+    slabs = [p for p in (tmp_path / "store").rglob("*.slab") if ns.fingerprint.hex() in p.name]
+    assert len(slabs) == 1, sorted(p.name for p in (tmp_path / "store").rglob("*.slab"))
+    data = bytearray(slabs[0].read_bytes())
+    slot = cache.states.ledger.host.page_nbytes
+    for at in range(0, len(data) - slot + 1, 4096 * (-(-slot // 4096))):
+        data[at + slot // 2] ^= 0x5A  # the middle of every slot's value
+    slabs[0].write_bytes(bytes(data))
+    again = TieredKVCache(cfg)
+    _, rec = Server(model, again).serve(prompt + out + [5, 6], 1, verify=True)
+    st = again.stats()["state"]
+    assert rec.bitwise and rec.storage == rec.device == rec.host == 0
+    assert st["store_misses"] >= 1 and st["restored_storage"] == 0
+    no_leak(again)
+    again.close()
