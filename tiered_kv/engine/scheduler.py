@@ -1,0 +1,299 @@
+"""Continuous batching over a :class:`TieredKVCache`: a waiting queue and a running batch.
+
+Each ``step``: admit waiting requests in policy order while the budget says they fit; compute
+up to ``chunk_size`` prompt tokens of each prefilling request (within the step's prefill
+budget); feed one token of every decoding request. The budget, in whole pages, is what the
+allocator has free plus what the tree could evict; each running request claims from it the
+rest of its prefill. A new request is admitted only if its prefill and decode reserve fit
+beside those claims (the allocator's capacity hooks, asked before ``begin`` and again with
+the prefix it really locked). Only decode may run out: before a decode step the least
+advanced requests are retracted until its new pages fit beside the claims. A retracted
+request's computed pages go into the tree (``finish``: cached, backed up per the write
+policy); it waits again with ``prompt + output`` as its prompt, served from what is still
+cached. The model is chunk-aligned deterministic: every logit is the no-cache run's, bit for
+bit, however a request was split or retracted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_kv._checks import check_positive_int
+from tiered_kv.cache import TieredKVCache
+from tiered_kv.cache.request import token_ids
+from tiered_kv.engine.batch_state import (
+    EngineRequest,
+    ReqState,
+    SchedulerConfig,
+    SchedulerStats,
+    StepResult,
+    admission_order,
+    shared_len,
+)
+from tiered_kv.engine.model import TinyLlama
+from tiered_kv.engine.serve import PagedKV
+from tiered_kv.errors import InvalidArgumentError, StateError
+
+
+class Scheduler:
+    def __init__(self, cache: TieredKVCache, model: TinyLlama, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise InvalidArgumentError(
+                f"config must be a SchedulerConfig, got {type(config).__name__}"
+            )
+        if cache.states is not None or cache.manager.window is not None:
+            raise InvalidArgumentError(
+                "the scheduler drives full-attention caches only (no hybrid state or sliding "
+                "window yet); use Server for those"
+            )
+        self.cache, self.model, self.config = cache, model, config
+        self.page_size = cache.config.page_size
+        config.check_against(self.page_size, cache.config.device.max_requests)
+        alloc = cache.allocator
+        reserve = config.decode_reserve_tokens
+        self.reserve = self._paged(alloc.request_slot_reserve() if reserve is None else reserve)
+        self.capacity = alloc.available_size() + cache.tree.device_tokens  # no request holds
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
+        self.finished: list[EngineRequest] = []
+        self.stats = SchedulerStats()
+        self.step_count = 0
+        self._next_id = self._seq = 0  # request ids; admission order (the newest is retracted)
+        self._kv: dict[int, PagedKV] = {}
+
+    # -- public -------------------------------------------------------------------------------
+    def add(self, prompt, max_new_tokens: int) -> EngineRequest:
+        """Queue a request (arriving at the current step). Raises InvalidArgumentError when it
+        could not run even alone in an empty device pool."""
+        prompt = token_ids(prompt)
+        check_positive_int("max_new_tokens", max_new_tokens)
+        if not prompt:
+            raise InvalidArgumentError("prompt needs at least one token")
+        limit = self.cache.config.device.max_context_len
+        if len(prompt) + max_new_tokens > limit:
+            raise InvalidArgumentError(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed max_context_len={limit}"
+            )
+        fit = self.cache.allocator.max_new_tokens_for_memory(
+            len(prompt), max_new_tokens, token_capacity=self.capacity - self.reserve
+        )
+        if fit is None or fit < max_new_tokens:
+            raise InvalidArgumentError(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens cannot fit a device pool of "
+                f"{self.capacity} tokens even alone (at most {fit or 0} new tokens would)"
+            )
+        req = EngineRequest(self._next_id, prompt, max_new_tokens, self.step_count)
+        req.queued_step = self.step_count
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def step(self) -> StepResult:
+        """One scheduling step: admit, prefill (chunked), decode. Returns what happened."""
+        admitted = self._admit()
+        ready = {r.rid for r in self.running if not r.prefilling}  # a prefill ending now waits
+        prefilled, finished = self._prefill()
+        decoded, done, retracted = self._decode(ready)
+        self.cache.poll()
+        self.step_count += 1
+        self.stats.steps += 1
+        return StepResult(
+            self.step_count - 1, admitted, prefilled, decoded, finished + done, retracted
+        )
+
+    def run_until_done(self, max_steps: int) -> list[EngineRequest]:
+        """Step until nothing waits or runs; the finished requests. StateError after
+        ``max_steps`` steps with work left."""
+        for _ in range(max_steps):
+            if not self.waiting and not self.running:
+                return self.finished
+            self.step()
+        if self.waiting or self.running:
+            raise StateError(
+                f"{len(self.waiting)} waiting and {len(self.running)} running requests left "
+                f"after {max_steps} steps; allow more steps"
+            )
+        return self.finished
+
+    # -- the budget (tokens, whole pages) -----------------------------------------------------
+    def _paged(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def _claim(self, r: EngineRequest) -> int:
+        """Pages ``r`` still needs for its prefill (in tokens)."""
+        return max(0, self._paged(len(r.target)) - self._paged(len(r.cache_req.tokens)))
+
+    def _claims(self) -> int:
+        return sum(self._claim(r) for r in self.running)
+
+    def _fits(self, tokens: int, locking: int = 0) -> bool:
+        """Whether ``tokens`` fit in the free pages plus what eviction could free, after
+        ``locking`` evictable tokens are locked by a request about to begin."""
+        evictable = max(0, self.cache.tree.evictable_device_tokens - locking)
+        return self.cache.allocator.prealloc_ceiling_fits(tokens, evictable)
+
+    def _unlocked_prefix(self, tokens: list[int]) -> tuple[int, int, int]:
+        """(device, host, unlocked device) cached tokens of ``tokens``' prefix (a pure read)."""
+        m = self.cache.tree.match(tokens, probe=False)
+        unlocked = sum(n for node, n in m.steps if node.on_device and node.lock_ref == 0)
+        return m.device_len, m.host_len, unlocked
+
+    # -- admission ----------------------------------------------------------------------------
+    def _order(self) -> list[EngineRequest]:
+        def cached(w: EngineRequest) -> tuple[int, int]:
+            return self._unlocked_prefix((w.prompt + w.output)[:-1])[:2]
+
+        return admission_order(self.waiting, self.step_count, self.config, cached)
+
+    def _admit(self) -> tuple[int, ...]:
+        admitted = []
+        for w in self._order():
+            if len(self.running) >= self.config.max_running:
+                break
+            tokens = w.prompt + w.output
+            device, host, unlocked = self._unlocked_prefix(tokens[:-1])
+            if self._defer(w, tokens, device + host):
+                continue
+            need = self._paged(len(tokens)) - device + self.reserve
+            committed = self._claims() + self.reserve * len(self.running)
+            if not self._fits(need + committed, locking=unlocked):
+                break  # no skipping: the head waits for room (nothing starves behind it)
+            req = self.cache.begin(tokens)
+            w.target, w.cache_req = tokens, req
+            # Checked again with the prefix begin really locked (a failed load shortens it).
+            need = self._paged(len(tokens)) - req.prefix_len + self.reserve
+            if not self._fits(need + committed):
+                self.stats.overcommits += 1
+                w.target, w.cache_req = [], None
+                self.cache.abort(req)
+                break
+            self.waiting.remove(w)
+            self.running.append(w)
+            self._kv[w.rid] = PagedKV(self.cache, req, self.model.embed.dtype)
+            w.state = ReqState.RUNNING
+            w.admit_seq, self._seq = self._seq, self._seq + 1
+            if w.admit_step is None:
+                w.admit_step = self.step_count
+                w.cached_tokens = req.prefix_len
+                self.stats.prompt_tokens += len(tokens)
+                self.stats.cached_tokens += req.prefix_len
+            self.stats.admitted += 1
+            admitted.append(w.rid)
+        return tuple(admitted)
+
+    def _defer(self, w: EngineRequest, tokens: list[int], cached: int) -> bool:
+        """Whether ``w`` should wait for a running request to cache what they share."""
+        threshold = self.config.defer_threshold
+        if not threshold or self.step_count - w.queued_step >= self.config.max_wait_steps:
+            return False
+        shared = max(
+            (shared_len(tokens, r.target, self.page_size) for r in self.running), default=0
+        )
+        return shared - cached >= threshold
+
+    # -- prefill and decode -------------------------------------------------------------------
+    def _forward(self, r: EngineRequest, tokens: list[int]) -> torch.Tensor | None:
+        """Allocate ``tokens``' slots for ``r`` and run them; the last row's logits. None when
+        the allocation was refused (an over-commit, counted) or the prefix load failed."""
+        cache, req = self.cache, r.cache_req
+        start = len(req.tokens)
+        try:
+            cache.prepare_forward(req)
+        except StateError:
+            self.stats.load_failures += 1
+            self._requeue(r, insert=False)
+            return None
+        try:
+            cache.extend(req, tokens)
+        except StateError:
+            self.stats.overcommits += 1
+            return None
+        logits = self.model.forward(torch.tensor(tokens), start, self._kv[r.rid], self.page_size)
+        return logits[-1]
+
+    def _emit(self, r: EngineRequest, logits: torch.Tensor) -> bool:
+        """Choose ``r``'s next token (greedy); finish it when done. Returns whether it did."""
+        r.output.append(int(logits.argmax()))
+        if self.config.record_logits:
+            r.logits.append(logits.clone())
+        if r.first_token_step is None:
+            r.first_token_step = self.step_count
+        if not r.done:
+            return False
+        self.cache.finish(r.cache_req)
+        self._leave(r)
+        r.state, r.finish_step = ReqState.FINISHED, self.step_count
+        self.finished.append(r)
+        self.stats.finished += 1
+        return True
+
+    def _leave(self, r: EngineRequest) -> None:
+        self.running.remove(r)
+        del self._kv[r.rid]
+        r.cache_req, r.target = None, []
+
+    def _prefill(self) -> tuple[int, tuple[int, ...]]:
+        budget, total, finished = self.config.prefill_budget, 0, []
+        for r in [r for r in self.running if r.prefilling]:
+            left = len(r.target) - len(r.cache_req.tokens)
+            n = min(left, self.config.chunk_size, budget)
+            if n < left:
+                n = n // self.page_size * self.page_size  # every chunk but the last whole pages
+            if n == 0:
+                break
+            chunk = r.target[len(r.cache_req.tokens) : len(r.cache_req.tokens) + n]
+            # Admission and decode keep every running request's prefill claim (this chunk
+            # included) within reach: if they no longer fit together, admission over-committed.
+            if not self._fits(self._claims()):
+                self.stats.overcommits += 1
+            logits = self._forward(r, chunk)
+            if logits is None:
+                continue
+            budget, total = budget - n, total + n
+            if not r.prefilling and self._emit(r, logits):
+                finished.append(r.rid)
+        return total, tuple(finished)
+
+    def _decode_need(self, rs: list[EngineRequest]) -> int:
+        return sum(self.page_size for r in rs if len(r.cache_req.tokens) % self.page_size == 0)
+
+    def _decode(self, ready: set[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """One token for every request in ``ready`` (its prefill done before this step) still
+        running, retracting the least advanced requests first while the step does not fit."""
+        retracted = []
+        while True:
+            batch = [r for r in self.running if r.rid in ready]
+            need = self._decode_need(batch) + self._claims()
+            if not batch or self._fits(need):
+                break
+            victim = min(self.running, key=lambda r: (len(r.output), -r.admit_seq))
+            self._requeue(victim, insert=True)
+            retracted.append(victim.rid)
+        decoded, finished = [], []
+        for r in batch:
+            logits = self._forward(r, [r.output[-1]])
+            if logits is None:
+                continue
+            decoded.append(r.rid)
+            if self._emit(r, logits):
+                finished.append(r.rid)
+        return tuple(decoded), tuple(finished), tuple(retracted)
+
+    def _requeue(self, r: EngineRequest, *, insert: bool) -> None:
+        """Back to the waiting queue. ``insert``: its computed whole pages go into the tree
+        (a retraction); else they are dropped (its prefix load failed)."""
+        if insert:
+            self.cache.finish(r.cache_req)
+            r.retractions += 1
+            self.stats.retracted += 1
+        else:
+            self.cache.abort(r.cache_req)
+        self._leave(r)
+        r.state, r.queued_step = ReqState.WAITING, self.step_count
+        self.waiting.append(r)
+
+    def held_device_tokens(self) -> int:
+        """Device slots the running requests hold outside the tree (for integrity checks)."""
+        return sum(
+            self._paged(len(r.cache_req.tokens)) - r.cache_req.prefix_len for r in self.running
+        )
