@@ -237,6 +237,44 @@ def test_cache_aware_beats_fcfs_on_shared_prefixes(make_cache, seed):
     assert aware_ttft < fcfs_ttft, (aware_ttft, fcfs_ttft)
 
 
+def test_cache_aware_orders_device_then_host_then_storage(make_cache, tmp_path):
+    """Prefixes cached on the device, only on host and only in storage (each 32 tokens) are
+    admitted in that order, before a miss; FCFS keeps arrival order. Served bitwise."""
+    cache = make_cache(
+        storage_bytes=32 << 20, storage_path=str(tmp_path / "store"), prefetch_threshold=PAGE
+    )
+    cfg = SchedulerConfig(chunk_size=16, policy="cache_aware", record_logits=True)
+    sched = Scheduler(cache, MODEL, cfg)
+    heads = {
+        name: [seed + i % 50 for i in range(32)]
+        for name, seed in zip("MSHD", (60, 1, 20, 40), strict=True)
+    }
+
+    def serve(head):
+        sched.add(head + [3], 2)
+        sched.run_until_done(50)
+        cache.drain()
+
+    serve(heads["S"])
+    cache.clear_tree()  # storage keeps its pages
+    serve(heads["H"])
+    cache.manager.evict_device(1 << 30)  # its host copy stays
+    cache.drain()
+    serve(heads["D"])
+    queued = {name: sched.add(head + [7, 8], 3) for name, head in heads.items()}
+    rid = {w.rid: name for name, w in queued.items()}
+    assert "".join(rid[w.rid] for w in sched._order()) == "DHSM"
+    fcfs = Scheduler(cache, MODEL, SchedulerConfig(chunk_size=16))
+    for name in "MSHD":
+        fcfs.add(heads[name] + [7, 8], 3)
+    assert [w.rid for w in fcfs._order()] == [0, 1, 2, 3]
+    sched.run_until_done(100)
+    assert [queued[n].cached_tokens for n in "DHSM"] == [32, 32, 32, 0]
+    assert cache.stats()["hits"]["storage"] >= 32
+    assert_bitwise(sched.finished)
+    check_pools(sched)
+
+
 def test_starvation_bound(make_cache):
     """One request with no cached prefix among a flood of cached ones still starts once it
     has waited ``max_wait_steps`` (plus the steps the running batch needs to make room)."""

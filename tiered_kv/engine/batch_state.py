@@ -38,7 +38,9 @@ class SchedulerConfig:
     queued this many steps goes before every younger one, whatever the policy.
     ``decode_reserve_tokens``: room kept per running request for its decode at admission (None:
     the allocator's ``request_slot_reserve()``). ``host_weight``: what a host-cached token is
-    worth against a device-cached one in the cache-aware order (a host hit costs a load).
+    worth against a device-cached one in the cache-aware order (a host hit costs a load);
+    ``storage_weight``: the same for a page storage holds (a disk read and a load; 0: storage
+    is not asked).
     ``defer_shared_tokens``: cache-aware only: a waiting request whose prompt shares at least
     this many more tokens with a running request's than it has cached waits for that one to
     finish and cache them instead of computing them twice (None: ``chunk_size``; 0: never; the
@@ -52,6 +54,7 @@ class SchedulerConfig:
     max_wait_steps: int = 64
     decode_reserve_tokens: int | None = None
     host_weight: float = 0.5
+    storage_weight: float = 0.25
     defer_shared_tokens: int | None = None
     record_logits: bool = False
 
@@ -66,11 +69,11 @@ class SchedulerConfig:
         if self.decode_reserve_tokens is not None:
             check_positive_int("decode_reserve_tokens", self.decode_reserve_tokens, minimum=0)
         object.__setattr__(self, "policy", parse(SchedulePolicy, self.policy, "policy"))
-        w = self.host_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise InvalidArgumentError(f"host_weight={w!r} is invalid; expected a number 0..1")
-        if not 0 <= w <= 1:
-            raise InvalidArgumentError(f"host_weight={w!r} is invalid; expected a number 0..1")
+        for name in ("host_weight", "storage_weight"):
+            w = getattr(self, name)
+            number = isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+            if not number or not 0 <= w <= 1:
+                raise InvalidArgumentError(f"{name}={w!r} is invalid; expected a number 0..1")
         if not isinstance(self.record_logits, bool):
             raise InvalidArgumentError(f"record_logits={self.record_logits!r} must be a bool")
 
@@ -173,12 +176,13 @@ def admission_order(
     waiting: list[EngineRequest],
     step: int,
     config: SchedulerConfig,
-    cached: Callable[[EngineRequest], tuple[int, int]],
+    cached: Callable[[EngineRequest], tuple[int, int, int, int]],
 ) -> list[EngineRequest]:
     """The order ``waiting`` is tried for admission at ``step``: every request queued for
     ``max_wait_steps`` or more first (oldest first, whatever the policy: the starvation
-    bound), then the others by arrival (FCFS) or by ``cached(request)`` = (device, host)
-    cached prefix tokens, a host token worth ``host_weight`` of a device one (cache-aware)."""
+    bound), then the others by arrival (FCFS) or by ``cached(request)``'s (device, host,
+    storage, ...) cached prefix tokens, a host token worth ``host_weight`` of a device one and
+    a stored one ``storage_weight`` (cache-aware)."""
     bound = config.max_wait_steps
     starving = sorted(
         (w for w in waiting if step - w.queued_step >= bound), key=lambda w: (w.queued_step, w.rid)
@@ -187,8 +191,8 @@ def admission_order(
     if config.policy is SchedulePolicy.CACHE_AWARE:
         scores = {}
         for w in rest:
-            device, host = cached(w)
-            scores[w.rid] = device + config.host_weight * host
+            device, host, stored, *_ = cached(w)
+            scores[w.rid] = device + config.host_weight * host + config.storage_weight * stored
         rest.sort(key=lambda w: (-scores[w.rid], w.queued_step, w.rid))
     else:
         rest.sort(key=lambda w: (w.queued_step, w.rid))

@@ -31,6 +31,7 @@ from tiered_kv.engine.batch_state import (
     shared_len,
 )
 from tiered_kv.engine.model import TinyLlama
+from tiered_kv.engine.prefix_probe import CachedPrefix, cached_prefix
 from tiered_kv.engine.serve import PagedKV
 from tiered_kv.errors import InvalidArgumentError, StateError
 
@@ -132,16 +133,12 @@ class Scheduler:
         evictable = max(0, self.cache.tree.evictable_device_tokens - locking)
         return self.cache.allocator.prealloc_ceiling_fits(tokens, evictable)
 
-    def _unlocked_prefix(self, tokens: list[int]) -> tuple[int, int, int]:
-        """(device, host, unlocked device) cached tokens of ``tokens``' prefix (a pure read)."""
-        m = self.cache.tree.match(tokens, probe=False)
-        unlocked = sum(n for node, n in m.steps if node.on_device and node.lock_ref == 0)
-        return m.device_len, m.host_len, unlocked
-
     # -- admission ----------------------------------------------------------------------------
     def _order(self) -> list[EngineRequest]:
-        def cached(w: EngineRequest) -> tuple[int, int]:
-            return self._unlocked_prefix((w.prompt + w.output)[:-1])[:2]
+        probe_store = self.config.storage_weight > 0
+
+        def cached(w: EngineRequest) -> CachedPrefix:
+            return cached_prefix(self.cache, (w.prompt + w.output)[:-1], storage=probe_store)
 
         return admission_order(self.waiting, self.step_count, self.config, cached)
 
@@ -151,7 +148,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_running:
                 break
             tokens = w.prompt + w.output
-            device, host, unlocked = self._unlocked_prefix(tokens[:-1])
+            device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1])
             if self._defer(w, tokens, device + host):
                 continue
             need = self._paged(len(tokens)) - device + self.reserve
