@@ -170,6 +170,7 @@ def test_random_workload_never_overcommits_and_stays_bitwise(
     assert sched.stats.steps >= 700
     assert sched.stats.retracted > 0, "the pool was meant to be small enough to retract"
     assert any(r.retractions for r in sched.finished)
+    assert any(c > 0 for r in sched.finished for c in r.resumed_cached)  # resumed from cache
     hits = cache.stats()["hits"]
     assert hits["device"] > 0 and hits["host"] > 0, hits  # prefixes loaded back from host too
     assert all(len(r.output) == r.max_new_tokens for r in sched.finished)
@@ -209,7 +210,9 @@ def test_retraction_then_resumption_is_bitwise(make_cache):
         check_pools(sched)
     retracted = [rid for s in results for rid in s.retracted]
     assert retracted and b.retractions >= 1 and b.rid in retracted
-    assert b.cached_tokens == 0 and cache.stats()  # first admission: nothing cached
+    assert b.cached_tokens == 0  # its first admission: nothing cached
+    assert len(b.resumed_cached) == b.retractions and b.resumed_cached[0] > 0, b.resumed_cached
+    assert cache.stats()["hits"]["host"] > 0  # its pages came back from host
     assert_bitwise([a, b])
 
 

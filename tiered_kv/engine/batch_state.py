@@ -121,6 +121,7 @@ class EngineRequest:
     finish_step: int | None = None
     cached_tokens: int = 0  # prefix served from the cache at its first admission
     retractions: int = 0
+    resumed_cached: list[int] = field(default_factory=list)  # prefix served at each resumption
     logits: list[torch.Tensor] = field(default_factory=list)  # with record_logits
     # While running: the cache's request, the tokens to prefill (prompt + output at admission).
     cache_req: Request | None = None

@@ -174,6 +174,8 @@ class Scheduler:
                 w.cached_tokens = req.prefix_len
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.cached_tokens += req.prefix_len
+            else:
+                w.resumed_cached.append(req.prefix_len)
             self.stats.admitted += 1
             admitted.append(w.rid)
         return tuple(admitted)
