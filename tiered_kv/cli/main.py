@@ -1,4 +1,4 @@
-"""``tiered-kv``: the command line (``run``, ``sim``, ``bench``).
+"""``tiered-kv``: the command line (``run``, ``sim``, ``bench``, ``serve-scale``).
 
 Every subcommand shows its defaults in ``--help``, validates its arguments (a bad value exits
 with status 2 and a message naming the flag), writes ``--json PATH`` next to the printed table,
@@ -18,9 +18,9 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from tiered_kv.cli import bench_cmd, run_cmd, sim_cmd
+from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
 
-COMMANDS = {"run": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
+COMMANDS = {"run": run_cmd, "sim": sim_cmd, "bench": bench_cmd, "serve-scale": scale_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

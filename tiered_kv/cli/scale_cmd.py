@@ -1,0 +1,172 @@
+"""Serve a long-context multi-turn workload at a real model's KV size with the batched
+scheduler and synthetic KV, three ways in one run: tiered (device + host + disk), device only,
+and recomputing everything. The device holds ~10% of the workload's unique tokens, the host
+~30% more, the disk all of it. Compute time is MODELED from a stated cost model (a named
+accelerator's prefill tokens/s and decode step time) and modeled link bandwidths; bytes moved
+and their GB/s are measured on this machine. Every restored prefix is verified byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+from tiered_kv.cli.args import positive_int
+from tiered_kv.cli.report import table, write_json
+from tiered_kv.engine.cost_model import COST_MODELS
+from tiered_kv.engine.presets import PRESETS
+from tiered_kv.engine.scale_run import MODES, run_scale
+from tiered_kv.engine.scale_workload import PRESET_COST_MODELS, ScaleConfig, sizes
+from tiered_kv.engine.synthetic_model import LinkModel
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import ModelKind
+
+HELP = "serve a long-context workload at real model scale (synthetic KV, modeled compute)"
+_D = ScaleConfig()
+FULL_ATTENTION = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA)  # what the scheduler serves
+SERVED = tuple(p for p, v in PRESETS.items() if v.to_geometry().model in FULL_ATTENTION)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload (lengths in tokens, each multiplied by --scale)")
+    w.add_argument("--preset", default=_D.preset, choices=SERVED, help="KV geometry")
+    w.add_argument("--scale", type=_positive_float, default=_D.scale)
+    w.add_argument("--users", type=positive_int, default=_D.users)
+    w.add_argument("--active-users", type=positive_int, default=_D.active_users)
+    w.add_argument("--docs", type=positive_int, default=_D.docs, help="user u reads doc u %% docs")
+    w.add_argument("--rounds", type=positive_int, default=_D.rounds)
+    w.add_argument("--system-tokens", type=positive_int, default=_D.system_tokens)
+    w.add_argument("--doc-tokens", type=positive_int, default=_D.doc_tokens)
+    w.add_argument("--question-tokens", type=positive_int, default=_D.question_tokens)
+    w.add_argument("--answer-tokens", type=positive_int, default=_D.answer_tokens)
+    w.add_argument("--seed", type=int, default=_D.seed)
+    c = p.add_argument_group("cache and scheduler")
+    c.add_argument("--page-size", type=positive_int, default=_D.page_size)
+    c.add_argument("--chunk-tokens", type=positive_int, default=_D.chunk_tokens)
+    c.add_argument("--max-running", type=positive_int, default=_D.max_running)
+    c.add_argument("--device-fraction", type=_positive_float, default=_D.device_fraction)
+    c.add_argument("--host-fraction", type=_positive_float, default=_D.host_fraction)
+    c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
+    m = p.add_argument_group("modeled time")
+    by_preset = ", ".join(f"{p} {c}" for p, c in PRESET_COST_MODELS.items())
+    m.add_argument(
+        "--cost-model",
+        choices=tuple(COST_MODELS),
+        help=f"None: the preset's own ({by_preset})",
+    )
+    links = LinkModel()
+    m.add_argument(
+        "--pcie-gbps", type=_positive_float, default=links.host_to_device_bytes_per_s / 1e9
+    )
+    m.add_argument(
+        "--disk-gbps", type=_positive_float, default=links.storage_to_host_bytes_per_s / 1e9
+    )
+
+
+def config_of(args: argparse.Namespace) -> ScaleConfig:
+    links = LinkModel()
+    given = (args.pcie_gbps * 1e9, args.disk_gbps * 1e9)
+    if given != (links.host_to_device_bytes_per_s, links.storage_to_host_bytes_per_s):
+        links = LinkModel(
+            "given", *given, source=f"modeled: {args.pcie_gbps:g} GB/s host -> device, "
+            f"{args.disk_gbps:g} GB/s storage -> host (--pcie-gbps, --disk-gbps)",
+        )  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(ScaleConfig)} - {"links"}
+    return ScaleConfig(**{f: getattr(args, f) for f in fields}, links=links)
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        config_of(args)
+    except InvalidArgumentError as exc:
+        parser.error(str(exc))
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    s = sizes(cfg)
+    print(
+        f"{cfg.model_preset.name} ({s.bytes_per_token >> 10} KiB/token), working set "
+        f"{s.working_set_tokens} tokens ({s.working_set_tokens * s.bytes_per_token / 2**30:.2f} "
+        f"GiB); device {s.device_tokens} tokens "
+        f"({100 * s.device_tokens / s.working_set_tokens:.0f}%), host {s.host_tokens} "
+        f"({100 * s.host_tokens / s.working_set_tokens:.0f}%), disk {s.storage_bytes >> 20} MiB",
+        flush=True,
+    )
+    load_before = _load()
+    result = run_scale(cfg)
+    result["command"] = "serve-scale"
+    result["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "config")}
+    result["load_average"] = {"before": load_before, "after": _load()}
+    print_report(result)
+    write_json(args.json, result)
+    bad = sum(m["verification"]["mismatched_tokens"] for m in result["modes"].values())
+    return 1 if bad else 0
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def print_report(res: dict) -> None:
+    modes = [m for m in MODES if m in res["modes"]]
+    r = res["modes"]
+    cm = res["cost_model"]
+    print(f"\nMODELED times: cost model {cm['name']} ({cm['source']})")
+    print(f"MODELED loads: {res['links']['source']}")
+
+    def row(name, fn):
+        return [name, *(fn(r[m]) for m in modes)]
+
+    def pct(m, tier):
+        return f"{m['hits'][tier]} ({100 * m['hits'][tier] / max(1, m['prompt_tokens']):.0f}%)"
+
+    rows = [
+        row("requests", lambda m: m["requests"]),
+        row("prompt + generated tokens", lambda m: m["prompt_tokens"] + m["generated_tokens"]),
+        row("computed tokens", lambda m: m["computed_tokens"]),
+        *(row(f"hit {t}", lambda m, t=t: pct(m, t)) for t in ("device", "host", "storage")),
+        row("missed (computed)", lambda m: pct(m, "missed")),
+        row("modeled total s", lambda m: f"{m['modeled']['total_s']:.2f}"),
+        row("  prefill / decode / load s", lambda m: "{prefill_s:.2f} / {decode_s:.2f} / "
+            "{load_s:.2f}".format(**m["modeled"])),
+        row("modeled tokens/s", lambda m: f"{m['modeled']['tokens_per_s']:.0f}"),
+        row("modeled TTFT p50 ms", lambda m: f"{1e3 * m['modeled']['ttft_p50_s']:.1f}"),
+        row("modeled TTFT p99 ms", lambda m: f"{1e3 * m['modeled']['ttft_p99_s']:.1f}"),
+        row("verified tokens", lambda m: m["verification"]["verified_tokens"]),
+        row("mismatched tokens", lambda m: m["verification"]["mismatched_tokens"]),
+        row("steps (idle)", lambda m: f"{m['scheduler']['steps']} ({m['modeled']['idle_steps']})"),
+        row("retracted", lambda m: m["scheduler"]["retracted"]),
+        row("wall s", lambda m: f"{m['wall_s']:.1f}"),
+    ]  # fmt: skip
+    print()
+    print(table(["", *modes], rows))
+    if "tiered" in r:
+        t = r["tiered"]["transfers"]
+        rows = [[d, v["bytes"] / 2**20, v["seconds"], v["gbps"], v["ops"]] for d, v in t.items()]
+        print("\ntiered run, bytes moved (measured on this machine)")
+        print(table(["transfer", "MiB", "s", "GB/s", "ops"], rows))
+    g = res["gains"]
+    if g:
+        print("\ntiered vs " + ", ".join(
+            f"{b}: {g[f'throughput_vs_{b}']:.2f}x throughput, {g[f'ttft_p50_vs_{b}']:.2f}x TTFT p50"
+            for b in ("device_only", "recompute") if f"throughput_vs_{b}" in g
+        ) + " (modeled)")  # fmt: skip
+    la = res.get("load_average") or {}
+    print(f"wall {res['wall_s']:.1f} s; load average before {la.get('before')}, after "
+          f"{la.get('after')} ({time.strftime('%H:%M:%S')})")  # fmt: skip

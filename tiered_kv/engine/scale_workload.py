@@ -1,0 +1,165 @@
+"""The scale run's workload and sizes: :class:`ScaleConfig` (frozen, validated), the tiers it
+implies (``sizes``) and :class:`Workload`. Plain data: no cache, no tensors.
+
+The workload: ``users`` users, ``active_users`` of them in session at once in a closed loop
+(a user's next turn arrives when its previous one finishes; when a user's ``rounds`` turns are
+done the next user starts). Each turn's prompt is a shared system prompt, one of ``docs``
+documents (user ``u`` reads document ``u % docs``, so a document is read again by a later
+session), the user's history (its earlier questions and the answers decoded for them) and a
+new question; ``answer_tokens`` are decoded. Every length is multiplied by ``scale``.
+
+The tiers come from the workload's unique tokens (its working set): the device holds
+``device_fraction`` of it (at least the longest request and its decode reserve), the host
+``host_fraction`` of it on top of a copy of the device's pages (write-through keeps one), the
+disk all of it with room to spare. Bytes per token are the preset's (Llama-3-8B: 128 KiB).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tiered_kv.engine.cost_model import CostModel, cost_model
+from tiered_kv.engine.presets import ModelPreset, bytes_per_token, preset
+from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LinkModel
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import ModelKind
+
+PRESET_COST_MODELS = {
+    "llama-3-8b": "h100-llama-3-8b",
+    "qwen2.5-7b": "h200-qwen2.5-7b",
+    "deepseek-v3": "h800x8-deepseek-v3",
+    "deepseek-v3.2": "h800x8-deepseek-v3",  # V3's figures: the indexer's cost not modeled
+}
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """One scale run. ``preset``: a preset name or a :class:`ModelPreset` (full-attention
+    kinds only: mha, mla, dsa). Lengths in tokens before ``scale``."""
+
+    preset: str | ModelPreset = "llama-3-8b"
+    scale: float = 1.0
+    users: int = 32
+    active_users: int = 8
+    docs: int = 16
+    rounds: int = 3
+    system_tokens: int = 128
+    doc_tokens: int = 512
+    question_tokens: int = 64
+    answer_tokens: int = 32
+    page_size: int = 64
+    chunk_tokens: int = 2048
+    max_running: int = 8
+    device_fraction: float = 0.10
+    host_fraction: float = 0.30
+    cost_model: str | None = None  # None: the preset's own (``PRESET_COST_MODELS``)
+    links: LinkModel = LinkModel()
+    seed: int = 0
+    store_dir: str | None = None  # the store goes in a fresh temporary directory under it
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            _need_int(name, getattr(self, name))
+        ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+        if not ok or not 0 < self.scale < 1e4:
+            raise InvalidArgumentError(f"scale={self.scale!r} must be a number in (0, 1e4)")
+        for name in ("device_fraction", "host_fraction"):
+            f = getattr(self, name)
+            if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+                raise InvalidArgumentError(f"{name}={f!r} must be a fraction in (0, 1]")
+        if self.chunk_tokens % self.page_size:
+            raise InvalidArgumentError(
+                f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={self.page_size}"
+            )
+        kind = self.model_preset.to_geometry().model
+        if kind not in (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA):
+            raise InvalidArgumentError(
+                f"preset {self.model_preset.name!r} is {kind}; the scheduler serves full "
+                "attention only (mha, mla, dsa presets such as llama-3-8b or deepseek-v3)"
+            )
+        _ = self.cost  # an unknown name raises, listing the valid ones
+
+    @property
+    def model_preset(self) -> ModelPreset:
+        return self.preset if isinstance(self.preset, ModelPreset) else preset(self.preset)
+
+    @property
+    def cost(self) -> CostModel:
+        """The named cost model, else the one stated for the preset's model (H100 figures
+        for Llama-3-8B where the preset has none)."""
+        base = self.model_preset.name.split("[")[0]  # a ``scaled`` copy models its original
+        return cost_model(self.cost_model or PRESET_COST_MODELS.get(base, "h100-llama-3-8b"))
+
+    def tokens(self, name: str) -> int:
+        """A length after ``scale`` (at least 1)."""
+        return max(1, round(getattr(self, name) * self.scale))
+
+
+_INT_FIELDS = (
+    "users", "active_users", "docs", "rounds", "system_tokens", "doc_tokens", "question_tokens",
+    "answer_tokens", "page_size", "chunk_tokens", "max_running",
+)  # fmt: skip
+
+
+def _need_int(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidArgumentError(f"ScaleConfig.{name}={v!r} must be an int >= 1")
+
+
+class Sizes(NamedTuple):
+    working_set_tokens: int  # unique tokens of the whole workload
+    longest_tokens: int  # the longest request: prompt + answer
+    device_tokens: int
+    host_tokens: int
+    storage_bytes: int
+    bytes_per_token: int
+
+
+def sizes(cfg: ScaleConfig) -> Sizes:
+    """The tiers for ``cfg``'s workload (whole pages)."""
+    ps = cfg.page_size
+    turn = cfg.tokens("question_tokens") + cfg.tokens("answer_tokens")
+    ws = (
+        cfg.tokens("system_tokens")
+        + min(cfg.docs, cfg.users) * cfg.tokens("doc_tokens")
+        + cfg.users * cfg.rounds * turn
+    )
+    longest = cfg.tokens("system_tokens") + cfg.tokens("doc_tokens") + cfg.rounds * turn
+
+    def pages(n: float) -> int:
+        return max(2, -(-int(n) // ps)) * ps
+
+    device = max(pages(cfg.device_fraction * ws), pages(longest) + 4 * ps)  # + decode reserve
+    host = device + pages(cfg.host_fraction * ws)  # write-through: it copies the device's too
+    bpt = bytes_per_token(cfg.model_preset)
+    return Sizes(ws, longest, device, host, int(ws * bpt * 1.5) + (64 << 20), bpt)
+
+
+class Workload:
+    """The users' prompts, built turn by turn from what their earlier turns decoded."""
+
+    def __init__(self, cfg: ScaleConfig) -> None:
+        rng = random.Random(cfg.seed)
+
+        def draw(n: int) -> list[int]:
+            return [rng.randrange(1, VOCAB_SIZE) for _ in range(n)]
+
+        self.cfg = cfg
+        self.system = draw(cfg.tokens("system_tokens"))
+        self.docs = [draw(cfg.tokens("doc_tokens")) for _ in range(min(cfg.docs, cfg.users))]
+        q = cfg.tokens("question_tokens")
+        self.questions = [[draw(q) for _ in range(cfg.rounds)] for _ in range(cfg.users)]
+        self.history: list[list[int]] = [[] for _ in range(cfg.users)]
+        self.round = [0] * cfg.users
+
+    def prompt(self, user: int) -> list[int]:
+        doc = self.docs[user % len(self.docs)]
+        return self.system + doc + self.history[user] + self.questions[user][self.round[user]]
+
+    def answered(self, user: int, output: list[int]) -> bool:
+        """Record a finished turn; whether the user has another."""
+        self.history[user] += self.questions[user][self.round[user]] + output
+        self.round[user] += 1
+        return self.round[user] < self.cfg.rounds
