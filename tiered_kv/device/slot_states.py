@@ -17,6 +17,7 @@ a declaration is a LayoutError.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -35,8 +36,9 @@ from tiered_kv.errors import InvalidArgumentError, LayoutError
 from tiered_kv.hugepages import empty_zeroed
 
 
-class _SlotRows:
-    """Rows ``0 .. size + spec_state_size`` on one device, and the slot checks."""
+class _SlotRows(abc.ABC):
+    """Rows ``0 .. size + spec_state_size`` on one device, and the slot checks; each pool
+    declares its own parts (``state_decl``)."""
 
     def __init__(
         self,
@@ -69,8 +71,9 @@ class _SlotRows:
     def slot_nbytes(self) -> int:
         return self.state_decl().slot_nbytes if self.enabled else 0
 
-    def state_decl(self) -> StatePoolDecl:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def state_decl(self) -> StatePoolDecl:
+        """This pool's parts for the host tier."""
 
 
 class ShortConvPool(_SlotRows):
