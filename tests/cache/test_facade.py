@@ -1281,3 +1281,29 @@ def test_run_derives_the_model_identity_from_its_config():
     assert one == model_identity(ModelConfig(hidden=128))
     assert one != model_identity(ModelConfig(hidden=256))  # same KV shape, other weights
     assert one != model_identity(ModelConfig(hidden=128, seed=1))
+
+
+def test_eviction_releases_its_victims_in_one_free_group(make_cache, gen, monkeypatch):
+    """Evicting several nodes returns their device pages with one release (free group), and the
+    cache still serves exact bytes and leaks nothing afterwards."""
+    cache = make_cache(device_tokens=64, host_tokens=160)
+    model = Model(cache, gen)
+    prompts = make_prompts(gen, [9, 13, 10, 11])  # four small nodes: 8 + 12 + 8 + 8 tokens
+    for p in prompts:
+        model.serve(p)
+    cache.drain()
+    alloc = cache.allocator
+    releases, groups = [], []
+    release, begin = alloc._release, alloc.free_group_begin
+    monkeypatch.setattr(alloc, "_release", lambda ids: releases.append(ids) or release(ids))
+    monkeypatch.setattr(alloc, "free_group_begin", lambda: groups.append(1) or begin())
+    before = alloc.available_size()
+    freed = cache.manager.evict_device(1 << 30)
+    assert freed == sum(aligned(len(p)) for p in prompts) == 36
+    assert len(groups) == 1 and len(releases) == 1  # one group, one release for four victims
+    assert sum(t.numel() for t in releases[0]) == freed // PAGE
+    assert alloc.available_size() == before + freed
+    monkeypatch.undo()
+    for p in prompts:  # now host hits: loaded back and compared byte for byte
+        assert model.serve(p).hits.host == aligned(len(p))
+    assert_no_leak(cache)

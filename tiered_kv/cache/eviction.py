@@ -3,7 +3,8 @@
 The tree chooses (``tree.victims``, in the tier policy's order); this acts. Device: a victim
 with a host copy only loses its device slots; under ``write_back`` a victim without one is
 copied to host first (waiting for the copy); otherwise it and everything below it leave the
-tree (when nothing there is locked or copying). Host: under ``write_back`` a victim not yet in
+tree (when nothing there is locked or copying); one eviction's device frees are released together
+through the allocator's free group. Host: under ``write_back`` a victim not yet in
 storage is backed up first (waiting for the backup); a victim still on the device only loses its
 host copy, a host-only leaf leaves the tree. Under ``write_through`` host-only nodes go before
 the host copies of device-resident ones, so the tiers stay inclusive while they can.
@@ -13,10 +14,24 @@ from __future__ import annotations
 
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, JobBook, Snapshots
 from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.errors import StateError
 from tiered_kv.names import PendingKind, Tier, WritePolicy
 from tiered_kv.tree.node import TreeNode, walk
 from tiered_kv.tree.tiered_tree import TieredTree
 from tiered_kv.tree.victims import victims
+
+
+def _open_group(device: DeviceSlots) -> bool:
+    """Open a free group on ``device``; False where it has none or one is open already (the
+    caller's: its frees then wait for the caller's ``free_group_end``)."""
+    begin = getattr(device, "free_group_begin", None)
+    if begin is None:
+        return False
+    try:
+        begin()
+    except StateError:
+        return False
+    return True
 
 
 class Evictor:
@@ -42,11 +57,18 @@ class Evictor:
         """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
         self.book.poll()
         freed, queue = 0, victims(self.tree, Tier.DEVICE)
-        while freed < num_tokens:
-            node = next(queue, None)
-            if node is None:
-                break
-            freed += self._device_one(node)
+        # The victims' slots go back in one release (the seed's free group): one concatenation
+        # and one free-list merge for the whole eviction, not one per node.
+        group = _open_group(self.device)
+        try:
+            while freed < num_tokens:
+                node = next(queue, None)
+                if node is None:
+                    break
+                freed += self._device_one(node)
+        finally:
+            if group:
+                self.device.free_group_end()
         return freed
 
     def _device_one(self, n: TreeNode) -> int:
