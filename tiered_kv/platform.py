@@ -10,7 +10,7 @@ correct but slow, it picks ``native`` for page transfers (when a C compiler is p
 - ``TIERED_KV_DEVICE``: the default device (``cuda``, ``cuda:1``, ``cpu``); default ``cuda`` when
   available, else ``cpu``;
 - ``TIERED_KV_CACHE_DIR`` (else ``$XDG_CACHE_HOME/tiered_kv``, else ``~/.cache/tiered_kv``): where
-  the native copier is built and ``tiered-kv run`` keeps its store;
+  the native copier is built and ``tiered-kv run-reference`` keeps its store;
 - ``CC``: the C compiler tried first for the native copier;
 - ``TIERED_KV_DEBUG``: ``1`` turns on the allocators' debug mode (checks that read index
   values: ranges, double frees, ``last_loc`` and length consistency; a device sync each on

@@ -18,7 +18,8 @@ from tiered_kv.cli.main import build_parser, main
 
 @pytest.fixture(autouse=True)
 def _no_default_store(monkeypatch, tmp_path):
-    """Never touch the default ~/.cache store, even if a check stops failing and `run` runs."""
+    """Never touch the default ~/.cache store, even if a check stops failing and
+    `run-reference` runs."""
     monkeypatch.setattr(run_cmd, "default_cache_dir", lambda: tmp_path / "cache")
 
 
@@ -34,6 +35,17 @@ def _fail(capsys, argv: list[str]) -> str:
 
 # (argv, substrings stderr must contain: the flag and the bad value)
 RUN_ERRORS = [
+    (["--users", "abc"], ["--users", "'abc'", "not an integer"]),
+    (["--users", "0"], ["--users", "0 must be >= 1"]),
+    (["--scale", "0"], ["--scale", "0.0 must be > 0"]),
+    (["--scale", "x"], ["--scale", "'x'", "not a number"]),
+    (["--preset", "gpt-9"], ["--preset", "'gpt-9'", "llama-3-8b"]),
+    (["--cost-model", "tpu"], ["--cost-model", "'tpu'"]),
+    (["--pcie-gbps", "-1"], ["--pcie-gbps", "-1.0 must be > 0"]),
+    (["--chunk-tokens", "100", "--page-size", "64"], ["chunk_tokens=100"]),
+]
+
+REFERENCE_ERRORS = [
     (["--users", "abc"], ["--users", "'abc'", "not an integer"]),
     (["--users", "0"], ["--users", "0 must be >= 1"]),
     (["--rounds", "-2"], ["--rounds", "-2 must be >= 1"]),
@@ -105,9 +117,18 @@ BENCH_ERRORS = [
 
 @pytest.mark.parametrize(("argv", "expected"), RUN_ERRORS, ids=lambda v: " ".join(v))
 def test_run_bad_values_exit_2_naming_the_flag(capsys, tmp_path, argv, expected):
-    # --store keeps the default ~/.cache store untouched should a check ever stop failing.
-    err = _fail(capsys, ["run", "--no-progress", "--store", str(tmp_path / "s"), *argv])
+    err = _fail(capsys, ["run", "--store-dir", str(tmp_path), *argv])
     assert "tiered-kv run: error:" in err
+    for text in expected:
+        assert text in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("argv", "expected"), REFERENCE_ERRORS, ids=lambda v: " ".join(v))
+def test_run_reference_bad_values_exit_2_naming_the_flag(capsys, tmp_path, argv, expected):
+    # --store keeps the default ~/.cache store untouched should a check ever stop failing.
+    err = _fail(capsys, ["run-reference", "--no-progress", "--store", str(tmp_path / "s"), *argv])
+    assert "tiered-kv run-reference: error:" in err
     for text in expected:
         assert text in err
     assert not (tmp_path / "s").exists()
@@ -139,6 +160,8 @@ def test_no_or_unknown_subcommand(capsys):
     assert "required" in _fail(capsys, [])
     err = _fail(capsys, ["serve"])
     assert "'serve'" in err and "run" in err
+    err = _fail(capsys, ["serve-scale"])  # renamed `run`, with no alias
+    assert "'serve-scale'" in err and "'run', 'run-reference'" in err
 
 
 def test_sim_missing_trace_is_a_clean_error(capsys, tmp_path):
@@ -186,7 +209,7 @@ def _help_entries(text: str) -> dict[str, str]:
     return {k: " ".join(v) for k, v in entries.items()}
 
 
-@pytest.mark.parametrize("command", ["run", "sim", "bench"])
+@pytest.mark.parametrize("command", ["run", "run-reference", "sim", "bench"])
 def test_help_exits_0_and_shows_every_default(capsys, monkeypatch, command):
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: one entry per option
     with pytest.raises(SystemExit) as info:
@@ -211,6 +234,11 @@ def test_help_shows_specific_defaults(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     entries = _help_entries(capsys.readouterr().out)
+    assert "(default: llama-3-8b)" in entries["--preset"]
+    assert "(default: 32)" in entries["--users"]
+    with pytest.raises(SystemExit):
+        main(["run-reference", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
     assert "(default: 1024)" in entries["--device-tokens"]
     assert "(default: lru)" in entries["--device-policy"]
     assert "(default: False)" in entries["--fresh"]
@@ -231,8 +259,9 @@ def test_console_script_entry_point(tmp_path):
     done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: tiered-kv")
-    for command in ("run", "sim", "bench"):
+    for command in ("run", "run-reference", "sim", "bench"):
         assert command in done.stdout
+    assert "serve-scale" not in done.stdout
     # An argument error in a real process: status 2, one message, no traceback.
     done = subprocess.run(
         [*cmd, "sim", "--trace", str(tmp_path / "missing.jsonl")],
@@ -255,6 +284,6 @@ def test_run_on_a_store_of_the_other_layout_exits_with_one_line(tmp_path, capsys
     store = tmp_path / "store"
     LMDBStorage(store, ns, 4096, budget_bytes=64 << 20).close()
     with pytest.raises(SystemExit) as info:
-        main(["run", "--store", str(store), "--storage-layout", "slab", "--no-progress"])
+        main(["run-reference", "--store", str(store), "--storage-layout", "slab", "--no-progress"])
     text = str(info.value.code)
     assert "holds a store of the lmdb layout" in text and "--storage-layout" in text

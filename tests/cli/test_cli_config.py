@@ -14,7 +14,8 @@ from tiered_kv.cli.main import main, parse
 
 @pytest.fixture(autouse=True)
 def _no_default_store(monkeypatch, tmp_path):
-    """Never touch the default ~/.cache store, even if a check stops failing and `run` runs."""
+    """Never touch the default ~/.cache store, even if a check stops failing and
+    `run-reference` runs."""
     monkeypatch.setattr(run_cmd, "default_cache_dir", lambda: tmp_path / "cache")
 
 
@@ -37,12 +38,16 @@ def test_dash_and_underscore_keys_at_top_level(tmp_path):
         tmp_path,
         'device-tokens = 2048\nhost_tokens = 4096\ndevice-policy = "fifo"\nseed = -3\n',
     )
-    args = parse(["run", "--config", cfg])
+    args = parse(["run-reference", "--config", cfg])
     assert args.device_tokens == 2048
     assert args.host_tokens == 4096
     assert args.device_policy == "fifo"
     assert args.seed == -3
     # Untouched flags keep their defaults.
+    assert args.users == parse(["run-reference"]).users
+    scale = _toml(tmp_path, "active-users = 2\nchunk_tokens = 256\ndisk-gbps = 3\n", "s.toml")
+    args = parse(["run", "--config", scale])
+    assert (args.active_users, args.chunk_tokens, args.disk_gbps) == (2, 256, 3.0)
     assert args.users == parse(["run"]).users
 
 
@@ -50,13 +55,17 @@ def test_keys_under_the_command_table_win_over_top_level(tmp_path):
     cfg = _toml(
         tmp_path,
         "users = 7\nrounds = 5\n"
-        '[run]\nusers = 9\nkv_heads = 1\nhost-layout = "layer_first"\n'
-        # Other commands' tables are not read by `run` (these keys would be unknown to it).
+        '[run-reference]\nusers = 9\nkv_heads = 1\nhost-layout = "layer_first"\n'
+        # Other commands' tables are not read by `run-reference` (these keys would be unknown
+        # to it), nor is [run-reference] by `run`.
+        "[run]\nusers = 11\nactive-users = 3\ndocs = 2\n"
         '[sim]\ncapacities = "0.3"\n[bench]\npage-sizes = "8"\n',
     )
-    args = parse(["run", "--config", cfg])
+    args = parse(["run-reference", "--config", cfg])
     assert (args.users, args.rounds, args.kv_heads) == (9, 5, 1)
     assert args.host_layout == "layer_first"
+    run = parse(["run", "--config", cfg])
+    assert (run.users, run.rounds, run.active_users, run.docs) == (11, 5, 3, 2)
     sim = parse(["sim", "--config", cfg])
     assert sim.capacities == [0.3]
     assert (sim.users, sim.rounds) == (7, 5)
@@ -67,28 +76,43 @@ def test_keys_under_the_command_table_win_over_top_level(tmp_path):
     assert parse(["bench", "--config", bench_only, "--tokens", "64"]).page_sizes == [8]
 
 
+def test_run_reference_table_is_read_with_dash_or_underscore(capsys, tmp_path):
+    dash = _toml(tmp_path, "[run-reference]\nusers = 3\ndevice-tokens = 2048\n", "d.toml")
+    args = parse(["run-reference", "--config", dash])
+    assert (args.users, args.device_tokens) == (3, 2048)
+    assert parse(["run", "--config", dash]).users == parse(["run"]).users  # not `run`'s table
+    under = _toml(tmp_path, "[run_reference]\nusers = 4\nfresh = true\n", "u.toml")
+    args = parse(["run-reference", "--config", under])
+    assert (args.users, args.fresh) == (4, True)
+    both = _toml(tmp_path, "[run-reference]\nusers = 3\n[run_reference]\nusers = 4\n", "b.toml")
+    err = _fail(capsys, ["run-reference", "--config", both])
+    assert "[run-reference] and [run_reference] are the same" in err
+
+
 def test_command_line_flags_override_the_file(tmp_path):
     cfg = _toml(
         tmp_path,
-        '[run]\nusers = 5\npage-size = 32\ndevice-tokens = 4096\nwrite-policy = "write_back"\n',
+        "[run-reference]\nusers = 5\npage-size = 32\ndevice-tokens = 4096\n"
+        'write-policy = "write_back"\n',
     )
-    args = parse(["run", "--config", cfg, "--users", "3", "--write-policy", "write_through"])
+    argv = ["run-reference", "--config", cfg, "--users", "3", "--write-policy", "write_through"]
+    args = parse(argv)
     assert args.users == 3
     assert args.write_policy == "write_through"
     assert (args.page_size, args.device_tokens) == (32, 4096)
     # Validation sees the merged values: the flag's page size against the file's device tokens.
-    assert parse(["run", "--config", cfg, "--page-size", "64"]).device_tokens == 4096
+    assert parse(["run-reference", "--config", cfg, "--page-size", "64"]).device_tokens == 4096
 
 
 def test_booleans(tmp_path):
     cfg = _toml(tmp_path, "no-verify = true\nfresh = true\nno_progress = true\n")
-    args = parse(["run", "--config", cfg])
+    args = parse(["run-reference", "--config", cfg])
     assert args.no_verify is True and args.fresh is True and args.no_progress is True
-    off = _toml(tmp_path, "[run]\nfresh = false\nno-verify = false\n", "off.toml")
-    args = parse(["run", "--config", off])
+    off = _toml(tmp_path, "[run-reference]\nfresh = false\nno-verify = false\n", "off.toml")
+    args = parse(["run-reference", "--config", off])
     assert args.fresh is False and args.no_verify is False
     # A flag on the command line still switches it on.
-    assert parse(["run", "--config", off, "--fresh"]).fresh is True
+    assert parse(["run-reference", "--config", off, "--fresh"]).fresh is True
     bench = parse(["bench", "--config", _toml(tmp_path, "[bench]\nno-storage = true\n", "b.toml")])
     assert bench.no_storage is True
 
@@ -112,24 +136,33 @@ def test_lists_for_comma_separated_flags(tmp_path):
 @pytest.mark.parametrize(
     ("command", "text", "expected"),
     [
-        ("run", "bogus = 1\n", ["unknown key 'bogus'", "valid keys", "device-tokens"]),
-        ("run", "[run]\ndevice_token = 1024\n", ["unknown key 'device_token'"]),
-        ("run", 'config = "other.toml"\n', ["unknown key 'config'"]),
-        ("run", "help = true\n", ["unknown key 'help'"]),
+        ("run-reference", "bogus = 1\n", ["unknown key 'bogus'", "valid keys", "device-tokens"]),
+        ("run-reference", "[run-reference]\ndevice_token = 1024\n", ["unknown key 'device_token'"]),
+        ("run-reference", 'config = "other.toml"\n', ["unknown key 'config'"]),
+        ("run-reference", "help = true\n", ["unknown key 'help'"]),
         # A sim-only key at the top level is unknown to run.
-        ("run", 'capacities = "0.1"\n', ["unknown key 'capacities'"]),
+        ("run-reference", 'capacities = "0.1"\n', ["unknown key 'capacities'"]),
+        ("run-reference", "[runn]\nusers = 2\n", ["unknown table [runn]", "[run-reference]"]),
+        ("run-reference", 'users = "abc"\n', ["users='abc'", "not an integer"]),
+        ("run-reference", "users = 1.5\n", ["users=", "1.5", "not an integer"]),
+        ("run-reference", "users = 0\n", ["users=", "must be >= 1"]),
+        ("run-reference", "users = true\n", ["users=True"]),
+        ("run-reference", "[run-reference]\nusers = {a = 1}\n", ["users="]),
+        ("run-reference", "users = 2024-01-01\n", ["users="]),
+        ("run-reference", 'fresh = "yes"\n', ["fresh='yes'", "true or false"]),
+        ("run-reference", "no-verify = 1\n", ["no-verify=1", "true or false"]),
+        ("run-reference", 'device-policy = "bogus"\n', ["device-policy='bogus'", "lru"]),
+        ("run-reference", 'host_layout = "rows"\n', ["host_layout='rows'", "page_first"]),
+        ("run-reference", "page-size = 12\n", ["--page-size 12", "power of two"]),
+        ("run", "bogus = 1\n", ["unknown key 'bogus'", "valid keys", "active-users"]),
+        ("run", "[run]\ndevice-tokens = 1024\n", ["unknown key 'device-tokens'"]),
         ("run", "[runn]\nusers = 2\n", ["unknown table [runn]", "[run]"]),
+        ("run", "[serve-scale]\nusers = 2\n", ["unknown table [serve-scale]", "[run]"]),
         ("run", 'users = "abc"\n', ["users='abc'", "not an integer"]),
-        ("run", "users = 1.5\n", ["users=", "1.5", "not an integer"]),
-        ("run", "users = 0\n", ["users=", "must be >= 1"]),
-        ("run", "users = true\n", ["users=True"]),
-        ("run", "[run]\nusers = {a = 1}\n", ["users="]),
-        ("run", "users = 2024-01-01\n", ["users="]),
-        ("run", 'fresh = "yes"\n', ["fresh='yes'", "true or false"]),
-        ("run", "no-verify = 1\n", ["no-verify=1", "true or false"]),
-        ("run", 'device-policy = "bogus"\n', ["device-policy='bogus'", "lru"]),
-        ("run", 'host_layout = "rows"\n', ["host_layout='rows'", "page_first"]),
-        ("run", "page-size = 12\n", ["--page-size 12", "power of two"]),
+        ("run", "[run]\nscale = 0\n", ["scale=0", "must be > 0"]),
+        ("run", 'preset = "gpt-9"\n', ["preset='gpt-9'", "llama-3-8b"]),
+        ("run", "fresh = true\n", ["unknown key 'fresh'"]),
+        ("run", "chunk-tokens = 100\npage-size = 64\n", ["chunk_tokens=100"]),
         ("sim", 'capacities = "0,0.5"\n', ["capacities=", "'0'"]),
         ("sim", "capacities = [1.5]\n", ["capacities=", "'1.5'"]),
         ("sim", 'policies = ["lru", "mru"]\n', ["policies=", "mru"]),
@@ -142,7 +175,8 @@ def test_lists_for_comma_separated_flags(tmp_path):
 )
 def test_bad_files_exit_2_naming_the_problem(capsys, tmp_path, command, text, expected):
     cfg = _toml(tmp_path, text)
-    err = _fail(capsys, [command, "--no-progress", "--config", cfg])
+    progress = [] if command == "run" else ["--no-progress"]  # `run` prints no progress bar
+    err = _fail(capsys, [command, *progress, "--config", cfg])
     assert f"tiered-kv {command}: error:" in err
     for part in expected:
         assert part in err, err

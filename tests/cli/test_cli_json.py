@@ -1,7 +1,8 @@
-"""``--json PATH`` of ``run``, ``sim`` and ``bench``: the keys are exactly the README's table
-(parsed from README.md, so the documentation and the output cannot drift apart), the values are
-sane, the printed table shows the same numbers; ``run`` reuses its store across runs and
-``--fresh`` empties it; ``sim --plot`` writes a PNG."""
+"""``--json PATH`` of ``run-reference``, ``sim`` and ``bench``: the keys are exactly the README's
+table (parsed from README.md, so the documentation and the output cannot drift apart), the values
+are sane, the printed table shows the same numbers; ``run-reference`` reuses its store across runs
+and ``--fresh`` empties it; ``sim --plot`` writes a PNG. ``run``'s JSON (the scale run) is checked
+against the same table in tests/engine/test_scale_run.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 @pytest.fixture(autouse=True)
 def _no_default_store(monkeypatch, tmp_path):
-    """Never touch the default ~/.cache store, even if a check stops failing and `run` runs."""
+    """Never touch the default ~/.cache store, even if a check stops failing and
+    `run-reference` runs."""
     monkeypatch.setattr(run_cmd, "default_cache_dir", lambda: tmp_path / "cache")
 
 
@@ -49,16 +51,17 @@ TRANSFER_DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "s
 def _parse_cell(cell: str) -> dict[str, dict]:
     """``a``, ``b`` (``x``, ``y``), ``c`` (each: ``z``) -> {a: {...}, b: {keys: [x, y]}, ...}.
 
-    ``each:`` / ``per direction:`` mark keys of every item of a list / dict value."""
+    ``each:`` / ``per direction:`` / ``per mode:`` mark keys of every item of a list / dict
+    value."""
     keys: dict[str, dict] = {}
     depth, current = 0, None
-    for m in re.finditer(r"`([^`]+)`|\(|\)|each:|per direction:", cell):
+    for m in re.finditer(r"`([^`]+)`|\(|\)|each:|per \w+:", cell):
         tok = m.group(0)
         if tok == "(":
             depth += 1
         elif tok == ")":
             depth -= 1
-        elif tok in ("each:", "per direction:"):
+        elif tok == "each:" or tok.startswith("per "):
             assert depth == 1 and current is not None
             keys[current]["items"] = True
         elif depth == 0:
@@ -73,17 +76,20 @@ def _parse_cell(cell: str) -> dict[str, dict]:
 def readme_keys() -> dict[str, dict[str, dict]]:
     text = README.read_text()
     start = text.index("JSON output (`--json PATH`)")
-    rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", text[start:], flags=re.M)
+    rows = re.findall(r"^\| `([\w-]+)` \| (.+) \|$", text[start:], flags=re.M)
     return {command: _parse_cell(cell) for command, cell in rows}
 
 
 def test_readme_table_parses():
     keys = readme_keys()
-    assert set(keys) == {"run", "sim", "bench"}
+    assert set(keys) == {"run", "run-reference", "sim", "bench"}
     for table in keys.values():
         assert "command" in table and len(table) >= 4
-    assert keys["run"]["hits"]["keys"] == ["device", "host", "storage", "recomputed"]
-    assert keys["run"]["transfers"]["items"] is True
+    assert keys["run"]["modes"]["items"] is True
+    assert {"hits", "modeled", "verification"} <= set(keys["run"]["modes"]["keys"])
+    assert keys["run"]["load_average"]["keys"] == ["before", "after"]
+    assert keys["run-reference"]["hits"]["keys"] == ["device", "host", "storage", "recomputed"]
+    assert keys["run-reference"]["transfers"]["items"] is True
     assert keys["sim"]["rows"]["items"] is True and "hit_rate" in keys["sim"]["rows"]["keys"]
     assert keys["bench"]["host_storage"]["items"] is False
 
@@ -104,12 +110,12 @@ def _check_documented_keys(command: str, result: dict, skip: frozenset = frozens
             assert set(item) == set(spec["keys"]), f"{command}.{key}: {sorted(item)}"
 
 
-# -- run ------------------------------------------------------------------------------------------
+# -- run-reference --------------------------------------------------------------------------------
 def _run(argv: list[str]) -> tuple[int, dict, str]:
     json_path = Path(argv[argv.index("--store") + 1]).parent / f"run{len(argv)}-{id(argv)}.json"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = main(["run", *RUN_ARGS, *argv, "--json", str(json_path)])
+        code = main(["run-reference", *RUN_ARGS, *argv, "--json", str(json_path)])
     return code, json.loads(json_path.read_text()), buf.getvalue()
 
 
@@ -123,11 +129,11 @@ def runs(tmp_path_factory):
     return {"first": first, "second": second, "fresh": fresh, "store": store}
 
 
-def test_run_json_matches_readme_and_is_sane(runs):
+def test_run_reference_json_matches_readme_and_is_sane(runs):
     code, res, _ = runs["first"]
     assert code == 0
-    _check_documented_keys("run", res)
-    assert res["command"] == "run"
+    _check_documented_keys("run-reference", res)
+    assert res["command"] == "run-reference"
     assert res["store"] == runs["store"]
     assert set(TRANSFER_DIRECTIONS) <= set(res["transfers"])
     cfg = res["config"]
@@ -162,7 +168,7 @@ def test_run_json_matches_readme_and_is_sane(runs):
     assert res["elapsed_s"] > 0
 
 
-def test_run_printed_report_shows_the_json_totals(runs):
+def test_run_reference_printed_report_shows_the_json_totals(runs):
     _, res, out = runs["first"]
     assert (
         f"{res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
@@ -178,7 +184,7 @@ def test_run_printed_report_shows_the_json_totals(runs):
     assert f"{v['bitwise']} bitwise equal" in out and "PASS" in out
 
 
-def test_run_second_run_reuses_the_store(runs):
+def test_run_reference_second_run_reuses_the_store(runs):
     _, first, _ = runs["first"]
     code, second, _ = runs["second"]
     assert code == 0
@@ -196,7 +202,7 @@ def test_run_second_run_reuses_the_store(runs):
     assert second["verification"]["passed"] is True
 
 
-def test_run_with_another_model_of_the_same_kv_shape_never_reads_its_pages(runs, tmp_path):
+def test_run_reference_another_model_of_the_same_kv_shape_never_reads_its_pages(runs, tmp_path):
     """Issue 12: ``--hidden 64`` on the store the ``--hidden 32`` runs filled has the same KV
     shape but other weights; it reused their pages and failed verification (0 of 18 bitwise)."""
     import shutil
@@ -213,7 +219,7 @@ def test_run_with_another_model_of_the_same_kv_shape_never_reads_its_pages(runs,
     assert code == 0 and same["per_request"][0]["storage"] > 0
 
 
-def test_run_fresh_empties_the_store(runs):
+def test_run_reference_fresh_empties_the_store(runs):
     _, first, _ = runs["first"]
     code, fresh, out = runs["fresh"]
     assert code == 0
@@ -223,7 +229,7 @@ def test_run_fresh_empties_the_store(runs):
     assert [req0[k] for k in keys] == [first["per_request"][0][k] for k in keys]
     assert fresh["prompt_tokens"] == first["prompt_tokens"]
     # --no-verify: documented keys stay, values say "not measured".
-    _check_documented_keys("run", fresh)
+    _check_documented_keys("run-reference", fresh)
     assert fresh["verification"]["passed"] is None and fresh["verification"]["requests"] == 0
     assert fresh["ttft"]["speedup"] is None
     assert "verification: skipped" in out
@@ -413,7 +419,7 @@ def test_sim_host_policy_applies_to_the_host_tier_only(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("attention", ["mla", "dsa", "swa", "hybrid-linear"])
-def test_run_with_each_attention_kind_verifies_bitwise(tmp_path, attention):
+def test_run_reference_with_each_attention_kind_verifies_bitwise(tmp_path, attention):
     store = str(tmp_path / attention)
     code, res, printed = _run(["--store", store, "--attention", attention])
     assert code == 0

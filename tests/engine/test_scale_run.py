@@ -2,7 +2,7 @@
 restored prefix verifies byte for byte; the tiered run restores from all three tiers, the
 device-only run from the device alone, the recompute run from nothing; the tiers beat
 recomputing on modeled TTFT; a corrupted byte after a restore is found (the negative control);
-``tiered-kv serve-scale`` writes its JSON."""
+``tiered-kv run`` (the main job) writes its JSON with exactly the README's keys."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from tests.cli.test_cli_json import _check_documented_keys
 from tiered_kv.cli.main import main
 from tiered_kv.engine import presets as P
 from tiered_kv.engine.cost_model import cost_model
@@ -124,16 +125,17 @@ def test_config_is_validated():
     assert s.device_tokens >= 0.1 * s.working_set_tokens
 
 
-def test_serve_scale_cli_writes_json(tmp_path, capsys):
+def test_run_cli_writes_json(tmp_path, capsys):
     path = tmp_path / "scale.json"
-    argv = ["serve-scale", "--preset", "qwen2.5-7b"]  # its cost model by default
+    argv = ["run", "--preset", "qwen2.5-7b"]  # its cost model by default
     argv += ["--users", "4", "--active-users", "2", "--docs", "2", "--rounds", "2"]
     argv += ["--scale", "0.25", "--page-size", "16", "--chunk-tokens", "256"]
     argv += ["--store-dir", str(tmp_path), "--json", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     res = json.loads(path.read_text())
-    assert res["command"] == "serve-scale" and set(res["modes"]) == {
+    _check_documented_keys("run", res)
+    assert res["command"] == "run" and set(res["modes"]) == {
         "tiered", "device_only", "recompute",
     }  # fmt: skip
     assert res["preset"]["bytes_per_token"] == P.bytes_per_token(P.preset("qwen2.5-7b"))
@@ -141,6 +143,6 @@ def test_serve_scale_cli_writes_json(tmp_path, capsys):
     assert all(m["verification"]["mismatched_tokens"] == 0 for m in res["modes"].values())
     assert "MODELED times: cost model h200-qwen2.5-7b" in out and "mismatched tokens" in out
     with pytest.raises(SystemExit) as exc:
-        main(["serve-scale", "--chunk-tokens", "100", "--page-size", "64"])
+        main(["run", "--chunk-tokens", "100", "--page-size", "64"])
     assert exc.value.code == 2
     assert "chunk_tokens=100" in capsys.readouterr().err

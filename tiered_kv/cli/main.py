@@ -1,10 +1,16 @@
-"""``tiered-kv``: the command line (``run``, ``sim``, ``bench``, ``serve-scale``).
+"""``tiered-kv``: the command line (``run``, ``run-reference``, ``sim``, ``bench``).
+
+``run`` is the main job: the long-context multi-turn workload at a real model's KV size, served
+by the batched scheduler three ways (tiered, device only, recompute). ``run-reference`` serves a
+smaller workload with the tiny reference models (real compute, logits verified bitwise, the
+store reused across runs).
 
 Every subcommand shows its defaults in ``--help``, validates its arguments (a bad value exits
 with status 2 and a message naming the flag), writes ``--json PATH`` next to the printed table,
-and accepts ``--config FILE.toml`` whose keys mirror the flags (``device-tokens = 2048`` or
-``device_tokens = 2048``, at the top level or in a ``[run]`` / ``[sim]`` / ``[bench]`` table);
-flags given on the command line win over the file.
+and accepts ``--config FILE.toml`` whose keys mirror the flags (``users = 8``, ``device-tokens =
+2048`` or ``device_tokens = 2048``) at the top level or in the command's own table (``[run]``,
+``[run-reference]``, ``[sim]``, ``[bench]``; ``[run_reference]`` is the same table), whose keys
+win over the top level's; flags given on the command line win over the file.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ except ImportError:  # Python 3.10
 
 from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
 
-COMMANDS = {"run": run_cmd, "sim": sim_cmd, "bench": bench_cmd, "serve-scale": scale_cmd}
+COMMANDS = {"run": scale_cmd, "run-reference": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,11 +69,18 @@ def _config_defaults(
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: {message}\n")
 
     tables = [k for k, v in data.items() if isinstance(v, dict)]
+    # A table is named like its command, with `-` or `_` (as the keys are): one per command.
+    by_command: dict[str, str] = {}
     for name in tables:
-        if name not in COMMANDS:
+        table_command = name.replace("_", "-")
+        if table_command not in COMMANDS:
             fail(f"unknown table [{name}]; tables: {', '.join(f'[{c}]' for c in COMMANDS)}")
+        if table_command in by_command:
+            fail(f"tables [{by_command[table_command]}] and [{name}] are the same; keep one")
+        by_command[table_command] = name
     section = {k: v for k, v in data.items() if k not in tables}
-    section.update(data.get(command, {}))
+    if command in by_command:
+        section.update(data[by_command[command]])
     known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}  # noqa: SLF001
     out = {}
     for key, value in section.items():

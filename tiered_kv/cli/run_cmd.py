@@ -1,4 +1,5 @@
-"""Serve a multi-turn, long-context workload on the tiered cache with a small Llama-style model.
+"""The reference job: serve a multi-turn workload on the tiered cache with a small Llama-style
+model (real compute).
 
 Several users share system prompts and talk for several rounds; each prompt is a system prompt,
 the user's history and a new question. The tiers are sized so the device overflows into host
@@ -39,7 +40,7 @@ from tiered_kv.names import (
     WritePolicy,
 )
 
-HELP = "serve a multi-turn long-context workload with offload and verify the restored KV"
+HELP = "tiny reference models, real compute: serve with offload, verify the logits bitwise"
 REL_TOLERANCE = 1e-6
 
 
@@ -245,7 +246,8 @@ def main(args: argparse.Namespace) -> int:
         cache = TieredKVCache(cfg)
     except StorageOpenError as exc:  # a store of the other layout, a full disk, ...: one line
         raise SystemExit(
-            f"tiered-kv run: {exc} (--storage-layout chooses the layout, --fresh empties --store)"
+            f"tiered-kv run-reference: {exc} (--storage-layout chooses the layout, "
+            "--fresh empties --store)"
         ) from exc
     records = []
     t0 = time.perf_counter()
@@ -287,7 +289,7 @@ def summarize(args, cfg, records, stats, elapsed) -> dict:
     if ttft["restored_median_s"] and ttft["recompute_median_s"]:
         ttft["speedup"] = ttft["recompute_median_s"] / ttft["restored_median_s"]
     return {
-        "command": "run",
+        "command": "run-reference",
         "store": args.store,
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "config")},
         "requests": len(records),

@@ -1,6 +1,6 @@
-"""Serve a long-context multi-turn workload at a real model's KV size with the batched
-scheduler and synthetic KV, three ways in one run: tiered (device + host + disk), device only,
-and recomputing everything. The device holds ~10% of the workload's unique tokens, the host
+"""The main job: serve a long-context multi-turn workload at a real model's KV size with the
+batched scheduler and synthetic KV, three ways in one run: tiered (device + host + disk), device
+only, and recomputing everything. The device holds ~10% of the workload's unique tokens, the host
 ~30% more, the disk all of it. Compute time is MODELED from a stated cost model (a named
 accelerator's prefill tokens/s and decode step time) and modeled link bandwidths; bytes moved
 and their GB/s are measured on this machine. Every restored prefix is verified byte for byte.
@@ -23,7 +23,10 @@ from tiered_kv.engine.synthetic_model import LinkModel
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
 
-HELP = "serve a long-context workload at real model scale (synthetic KV, modeled compute)"
+HELP = (
+    "the main job: a long-context workload at real model scale, tiered vs device-only vs "
+    "recompute (synthetic KV, modeled compute)"
+)
 _D = ScaleConfig()
 FULL_ATTENTION = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA)  # what the scheduler serves
 SERVED = tuple(p for p, v in PRESETS.items() if v.to_geometry().model in FULL_ATTENTION)
@@ -107,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
     )
     load_before = _load()
     result = run_scale(cfg)
-    result["command"] = "serve-scale"
+    result["command"] = "run"
     result["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "config")}
     result["load_average"] = {"before": load_before, "after": _load()}
     print_report(result)

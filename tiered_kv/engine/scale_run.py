@@ -170,7 +170,7 @@ def run_scale(cfg: ScaleConfig, modes=MODES, *, on_restored: Hook | None = None)
     t0 = time.perf_counter()
     results = {}
     for mode in modes:
-        with tempfile.TemporaryDirectory(prefix="serve-scale-", dir=cfg.store_dir) as d:
+        with tempfile.TemporaryDirectory(prefix="tiered-kv-run-", dir=cfg.store_dir) as d:
             results[mode] = run_mode(cfg, mode, d, on_restored=on_restored)
     return {
         "preset": {"name": cfg.model_preset.name, "source": cfg.model_preset.source,
