@@ -6,7 +6,7 @@ options), ``storage`` (the store's budget, path and own options) and ``policies`
 are unique across sections, so :meth:`TieredKVConfig.flat` (and :meth:`replace`) take them as
 plain keywords. Every check names the field (``TieredKVConfig.<field>=<value>``) and what would
 be valid; nothing is built from a config that fails. This module imports nothing from the rest
-of the package but its vocabulary and errors.
+of the package but its vocabulary, errors and the allocators' sizing settings.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tiered_kv.names import (
     StorageLayout,
     WritePolicy,
 )
+from tiered_kv.sizing_config import AllocSizingConfig, resolve_sizing
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -153,16 +154,19 @@ class DeviceConfig:
     # hybrid_linear: also keep a snapshot every this many pages while a request runs (0: only
     # at the end of each cached prefix), so requests sharing a long prompt but not its end hit
     state_snapshot_every: int = 16
+    # Speculative decoding, decode context parallelism and overlap scheduling: the request
+    # rows' headroom and every per-step reserve derive from it (None: none of them)
+    sizing: AllocSizingConfig | None = None
 
     def __post_init__(self) -> None:
         _ints(self, ("page_size", "device_tokens", "max_requests", "max_context_len"))
+        try:
+            resolve_sizing(self.sizing, self.page_size)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"TieredKVConfig.sizing: {exc}") from None
         n = self.device_state_slots
-        _need(
-            n is None or (_is_int(n) and n >= 1),
-            self,
-            "device_state_slots",
-            "None (4 per request) or an int >= 1",
-        )
+        ok = n is None or (_is_int(n) and n >= 1)
+        _need(ok, self, "device_state_slots", "None (4 per request) or an int >= 1")
         _ints(self, ("state_snapshot_every",), minimum=0)
         for f in ("state_extra_buffer", "state_overlap", "state_lazy"):
             _need(isinstance(getattr(self, f), bool), self, f, "True or False")
@@ -229,12 +233,8 @@ class StorageConfig:
         _ints(self, ("storage_bytes",), minimum=0)
         _ints(self, ("storage_batch_pages",))
         if self.storage_bytes:
-            _need(
-                self.storage_path is not None,
-                self,
-                "storage_path",
-                "a directory when storage_bytes > 0",
-            )
+            ok = self.storage_path is not None
+            _need(ok, self, "storage_path", "a directory when storage_bytes > 0")
         _need(
             self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
             self,

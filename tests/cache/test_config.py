@@ -237,3 +237,29 @@ def test_swa_and_dsa_geometry_fields_are_checked():
         small(index_head_dim=64)
     full, window = small(model="swa", num_layers=5, full_layer_every=2).geometry.swa_layer_ids()
     assert (full, window) == ([0, 2, 4], [1, 3])
+
+
+def test_the_sizing_shapes_the_request_rows_and_the_allocators_reserve(tmp_path):
+    from tiered_kv.cache import TieredKVCache
+    from tiered_kv.device.sizing import AllocSizingConfig
+
+    spec = AllocSizingConfig(
+        page_size=4,
+        speculative_algorithm="eagle",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+    )
+    # eagle: ceil((4 - 1 + 3) / 4) = 2 pages x 4 x topk 2 = 16 a step, 32 reserved (overlap),
+    # headroom max(4 + 6, 32 + 4 - 1) = 35
+    for sizing, extra, reserve in ((None, 4, 2), (spec, 35, 32)):
+        cfg = TieredKVConfig.flat(
+            page_size=4, device_tokens=64, host_tokens=0, max_requests=3, max_context_len=50,
+            num_layers=1, head_num=1, head_dim=4, sizing=sizing,
+        )  # fmt: skip
+        cache = TieredKVCache(cfg)
+        try:
+            assert cache.req_to_token.req_to_token.shape[1] == 50 + extra
+            assert cache.allocator.request_slot_reserve() == reserve
+        finally:
+            cache.close()

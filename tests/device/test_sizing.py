@@ -8,10 +8,14 @@ import pytest
 
 from tiered_kv.device.sizing import (
     AllocSizingConfig,
+    draft_tree_spans,
     get_alloc_len_per_decode,
     get_alloc_page_size,
     get_alloc_reserve_per_decode,
     get_req_to_token_extra_context_len,
+    request_row_width,
+    resolve_sizing,
+    span_pages,
 )
 from tiered_kv.errors import InvalidArgumentError, TieredKVError
 
@@ -151,3 +155,69 @@ def test_config_is_frozen():
 def test_non_string_algorithm_is_refused():
     with pytest.raises(InvalidArgumentError, match="speculative_algorithm=5"):
         AllocSizingConfig(speculative_algorithm=5)
+
+
+# -- overlap, the draft tree's spans, the allocators' and the cache's use of a sizing -----------
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_reserve_is_one_step_without_overlap(case):
+    cfg = dataclasses.replace(CASES[case][0], overlap_schedule=False)
+    assert get_alloc_reserve_per_decode(cfg) == get_alloc_len_per_decode(cfg)
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(InvalidArgumentError, match="overlap_schedule=1"):
+        AllocSizingConfig(overlap_schedule=1)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_the_draft_tree_never_takes_more_than_one_step_allocates(case):
+    """Every offset in the last page, and every length up to a few pages: the tree's new pages
+    fit one step's allocation, and the worst offset takes all of it where the tree is the
+    bound (a paged draft tree with topk > 1 whose draft tokens do not dominate)."""
+    cfg = CASES[case][0]
+    page = get_alloc_page_size(cfg)
+    length = get_alloc_len_per_decode(cfg)
+    worst = 0
+    for seq_len in range(0, 3 * page + 2):
+        spans = draft_tree_spans(cfg, seq_len)
+        assert spans and all(end > max(start, seq_len - 1) for start, end in spans)
+        pages = sum(span_pages(s, page) for s in spans)
+        assert pages * page <= -(-length // page) * page  # what the scheduler reserves, paged
+        tree = cfg.speculative_algorithm in ("eagle", "eagle3", "standalone")
+        if tree and page > 1 and (cfg.speculative_eagle_topk or 1) > 1:
+            assert len(spans) == cfg.speculative_eagle_topk
+            assert all(start % page == 0 and start <= seq_len for start, _ in spans)
+            assert pages * page <= length
+            worst = max(worst, pages * page)
+        else:
+            assert spans == [(seq_len, seq_len + length)]
+    if case in ("eagle_p16_topk4", "eagle3_p64_topk2", "standalone_p4_topk3"):
+        assert worst == length  # the formula is tight: offset page - 1 takes all of it
+
+
+def test_no_draft_tree_without_speculative_decoding():
+    assert draft_tree_spans(_cfg(page=16), 37) == []
+    with pytest.raises(InvalidArgumentError, match="seq_len=-1"):
+        draft_tree_spans(_cfg("eagle", 16, 1, 3, 4, 8), -1)
+
+
+def test_request_row_width_adds_the_headroom():
+    assert request_row_width(_cfg(page=16), 100) == 104
+    assert request_row_width(_cfg("eagle", 16, 1, 3, 4, 8), 100) == 371
+
+
+def test_a_sizing_for_other_pages_is_refused_everywhere():
+    from tiered_kv.config import TieredKVConfig
+    from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
+
+    with pytest.raises(InvalidArgumentError, match="8 tokens per allocation page.*16"):
+        resolve_sizing(_cfg(page=8), 16)
+    with pytest.raises(InvalidArgumentError, match="allocator's page_size is 16"):
+        PagedTokenToKVPoolAllocator(64, 16, None, "cpu", sizing=_cfg(page=4))
+    # decode context parallelism: 4 ranks' pages of 4 are one allocation page of 16
+    alloc = PagedTokenToKVPoolAllocator(64, 16, None, "cpu", sizing=_cfg("eagle", 4, 4, 3, 2, 8))
+    assert alloc.request_slot_reserve() == 2 * 16 * 2 * 2  # ceil((15 + 3) / 16) = 2 pages
+    with pytest.raises(InvalidArgumentError, match="TieredKVConfig.sizing"):
+        TieredKVConfig.flat(page_size=16, sizing=_cfg(page=16, dcp=2))
+    with pytest.raises(InvalidArgumentError, match="AllocSizingConfig or None"):
+        TieredKVConfig.flat(sizing={"page_size": 16})

@@ -28,6 +28,7 @@ from tiered_kv.device.kv_cache import KVCache, mha_kv_bytes, mla_kv_bytes
 from tiered_kv.device.mha_pool import MHATokenToKVPool
 from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
+from tiered_kv.device.sizing import request_row_width, resolve_sizing
 from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
@@ -105,12 +106,14 @@ def allocator_for(
     c: TieredKVConfig, pool: KVCache | SWAKVPool
 ) -> PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator:
     d = c.device
+    sizing = resolve_sizing(d.sizing, d.page_size)
     if isinstance(pool, SWAKVPool):
         return SWATokenToKVPoolAllocator(
-            d.device_tokens, swa_tokens(c), d.page_size, c.torch_dtype, torch.device(d.device), pool
-        )
+            d.device_tokens, swa_tokens(c), d.page_size, c.torch_dtype, torch.device(d.device),
+            pool, sizing=sizing,
+        )  # fmt: skip
     return PagedTokenToKVPoolAllocator(
-        d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool
+        d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool, sizing=sizing
     )
 
 
@@ -137,7 +140,8 @@ def check_device_fits(c: TieredKVConfig) -> None:
         pool = mla_kv_bytes(g.num_layers, tokens, g.kv_lora_rank, g.qk_rope_head_dim, g.torch_dtype)
     if g.model == ModelKind.DSA:  # the indexer's fp8 keys and float32 block scales
         pool += g.num_layers * tokens * (g.index_head_dim + 4 * g.index_head_dim // QUANT_BLOCK)
-    rows = (d.max_requests + 1) * d.max_context_len * 4  # int32 slot per (row, position)
+    width = request_row_width(resolve_sizing(d.sizing, d.page_size), d.max_context_len)
+    rows = (d.max_requests + 1) * width * 4  # int32 slot per (row, position)
     cuda = d.device == "cuda"
     free = torch.cuda.mem_get_info()[0] if cuda else psutil.virtual_memory().available
     for nbytes, field in ((pool, "device_tokens"), (pool + rows, "max_context_len")):
@@ -158,7 +162,8 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
         rows = build_state.hybrid_rows(c)
         pool = build_state.hybrid_pool(c, rows)
     else:
-        rows = ReqToTokenPool(d.max_requests, d.max_context_len, torch.device(d.device))
+        width = request_row_width(resolve_sizing(d.sizing, d.page_size), d.max_context_len)
+        rows = ReqToTokenPool(d.max_requests, width, torch.device(d.device))
         pool = device_pool_for(c)
     allocator = allocator_for(c, pool)
     metrics = CacheMetrics()

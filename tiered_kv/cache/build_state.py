@@ -22,6 +22,7 @@ from tiered_kv.device.hybrid_linear_pool import HybridLinearKVPool
 from tiered_kv.device.hybrid_req_pool import HybridReqToTokenPool
 from tiered_kv.device.mamba_pool import MambaPool
 from tiered_kv.device.mha_pool import MHATokenToKVPool
+from tiered_kv.device.sizing import request_row_width, resolve_sizing
 from tiered_kv.device.slot_states import NGramPool
 from tiered_kv.host.state_pool import HostStatePool
 from tiered_kv.names import WritePolicy
@@ -60,7 +61,7 @@ def hybrid_rows(c: TieredKVConfig) -> HybridReqToTokenPool:
         )
     return HybridReqToTokenPool(
         d.max_requests,
-        d.max_context_len,
+        request_row_width(resolve_sizing(d.sizing, d.page_size), d.max_context_len),
         device,
         mamba_pool=mamba,
         enable_extra_buffer=d.state_extra_buffer,

@@ -1,68 +1,41 @@
 """Sizing helpers: how much KV one decode step may allocate and how wide a request row must be.
 
 Every quantity derives from one explicit :class:`AllocSizingConfig` (speculative decoding
-settings, page size, decode-context-parallel size) instead of process globals, so the row width,
-the per-step reserve and the page size cannot disagree.
+settings, page size, decode-context-parallel size, overlap scheduling; ``tiered_kv.sizing_config``)
+instead of process globals, so the row width, the per-step reserve and the page size cannot
+disagree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.sizing_config import (
+    DRAFT_KV_ALGORITHMS,
+    SPEC_ALGORITHMS,
+    AllocSizingConfig,
+    get_alloc_page_size,
+    resolve_sizing,
+)
 
-# Speculative algorithms that write draft KV into the pool (a tree of topk branches).
-DRAFT_KV_ALGORITHMS = frozenset({"eagle", "eagle3", "standalone"})
-SPEC_ALGORITHMS = DRAFT_KV_ALGORITHMS | {"ngram", "uno"}
-
-
-@dataclass(frozen=True)
-class AllocSizingConfig:
-    """The settings the sizing helpers read. ``speculative_algorithm`` None means no
-    speculative decoding; otherwise one of eagle, eagle3, standalone, ngram, uno."""
-
-    page_size: int = 1
-    attn_dcp_size: int = 1
-    speculative_algorithm: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    speculative_num_draft_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("page_size", "attn_dcp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"AllocSizingConfig.{name}={value!r}; expected int >= 1")
-        for name in (
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-        ):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise InvalidArgumentError(
-                    f"AllocSizingConfig.{name}={value!r}; expected None or an int >= 1"
-                )
-        algo = self.speculative_algorithm
-        if algo is not None:
-            if not isinstance(algo, str) or algo.lower() not in SPEC_ALGORITHMS:
-                raise InvalidArgumentError(
-                    f"speculative_algorithm={algo!r}; expected None or one of "
-                    f"{sorted(SPEC_ALGORITHMS)}"
-                )
-            object.__setattr__(self, "speculative_algorithm", algo.lower())
+__all__ = [
+    "DRAFT_KV_ALGORITHMS",
+    "SPEC_ALGORITHMS",
+    "AllocSizingConfig",
+    "draft_tree_spans",
+    "get_alloc_len_per_decode",
+    "get_alloc_page_size",
+    "get_alloc_reserve_per_decode",
+    "get_mamba_tracking_slots",
+    "get_req_to_token_extra_context_len",
+    "max_speculative_num_draft_tokens",
+    "request_row_width",
+    "resolve_sizing",
+    "span_pages",
+]
 
 
 def max_speculative_num_draft_tokens(cfg: AllocSizingConfig) -> int | None:
     return cfg.speculative_num_draft_tokens if cfg.speculative_algorithm is not None else None
-
-
-def get_alloc_page_size(cfg: AllocSizingConfig) -> int:
-    """Allocation page size: decode context parallelism splits each page across
-    ``attn_dcp_size`` ranks, so one rank's page covers ``page_size * attn_dcp_size`` tokens."""
-    return cfg.page_size * cfg.attn_dcp_size
 
 
 def get_alloc_len_per_decode(cfg: AllocSizingConfig) -> int:
@@ -90,9 +63,36 @@ def get_alloc_len_per_decode(cfg: AllocSizingConfig) -> int:
 
 
 def get_alloc_reserve_per_decode(cfg: AllocSizingConfig) -> int:
-    """KV length reserved per request at each decode step. Twice the step length: with overlap
-    scheduling the committed length lags the device by one step (a double buffer)."""
-    return 2 * get_alloc_len_per_decode(cfg)
+    """KV length reserved per request at each decode step. Under overlap scheduling twice the
+    step length: the committed length lags the device by one step (a double buffer)."""
+    return (2 if cfg.overlap_schedule else 1) * get_alloc_len_per_decode(cfg)
+
+
+def draft_tree_spans(cfg: AllocSizingConfig, seq_len: int) -> list[tuple[int, int]]:
+    """The (prefix_len, seq_len) spans one decode step allocates for a request holding
+    ``seq_len`` tokens: none without speculative decoding (the step's one token is the
+    engine's own extend). A draft tree with pages and topk > 1 gives each of its topk branches
+    pages of its own: a copy of the request's partial last page, then the branch's ``steps``
+    tokens (the worst case, ``page_size - 1`` tokens copied, is what
+    :func:`get_alloc_len_per_decode` reserves). Otherwise one span of that length continues
+    the request (draft or verify tokens in a row)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise InvalidArgumentError(f"seq_len={seq_len!r} must be an int >= 0")
+    algo = cfg.speculative_algorithm
+    if algo is None:
+        return []
+    page_size, topk = get_alloc_page_size(cfg), cfg.speculative_eagle_topk or 1
+    if algo in DRAFT_KV_ALGORITHMS and page_size > 1 and topk > 1:
+        steps = cfg.speculative_num_steps or 1
+        start = seq_len - seq_len % page_size
+        return [(start, seq_len + steps)] * topk
+    return [(seq_len, seq_len + get_alloc_len_per_decode(cfg))]
+
+
+def span_pages(span: tuple[int, int], page_size: int) -> int:
+    """New pages a (prefix_len, seq_len) span allocates (the prefix's pages are held)."""
+    start, end = span
+    return -(-end // page_size) - -(-start // page_size)
 
 
 def get_req_to_token_extra_context_len(cfg: AllocSizingConfig) -> int:
@@ -121,3 +121,9 @@ def get_mamba_tracking_slots(*, extra_buffer: bool, overlap: bool, lazy: bool = 
     if lazy:
         return 1
     return 2 if overlap else 1
+
+
+def request_row_width(sizing: AllocSizingConfig, max_context_len: int) -> int:
+    """Columns of a request row: the model's context plus the decode over-allocation's
+    headroom (:func:`get_req_to_token_extra_context_len`)."""
+    return max_context_len + get_req_to_token_extra_context_len(sizing)

@@ -34,7 +34,7 @@ from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.free_list import PageStack, SlotQueue
 from tiered_kv.device.allocator.inputs import check_index
 from tiered_kv.device.kv_cache import KVCache
-from tiered_kv.device.sizing import AllocSizingConfig
+from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
 
 # From this many slots on, ``free`` drops runs of one page first (a linear pass): the sort in
@@ -90,7 +90,7 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
         self._kvcache = kvcache
         self.need_sort = bool(need_sort)
         self.debug_mode = platform.debug_mode() if debug_mode is None else bool(debug_mode)
-        self.sizing = sizing if sizing is not None else AllocSizingConfig(page_size=page_size)
+        self.sizing = resolve_sizing(sizing, page_size)
         self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         self.free_list = self._new_free_list()
         self.free_group: list[torch.Tensor] | None = None

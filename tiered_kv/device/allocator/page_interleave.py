@@ -24,7 +24,7 @@ from tiered_kv import platform
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
-from tiered_kv.device.sizing import AllocSizingConfig
+from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
 
 
@@ -53,7 +53,7 @@ class PageInterleavePoolAllocator(CapacityHooks):
         self.device_index = None if self.device.type != "cuda" else (self.device.index or 0)
         self.need_sort = bool(need_sort)
         self.debug_mode = platform.debug_mode() if debug_mode is None else bool(debug_mode)
-        self.sizing = sizing if sizing is not None else AllocSizingConfig(page_size=p)
+        self.sizing = resolve_sizing(sizing, p)
         self.clear()
 
     # -- state ----------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_ar
 from tiered_kv.device.allocator.paged import num_decode_pages, num_new_pages
 from tiered_kv.device.allocator.peer_table import new_peer_table, release_peers, sub_allocator
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
-from tiered_kv.device.sizing import AllocSizingConfig
+from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
 from tiered_kv.platform import KernelBackend
@@ -70,7 +70,7 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
             )
         self.page_size = page_size
         self.device = platform.resolve_device(device)
-        self.sizing = sizing if sizing is not None else AllocSizingConfig(page_size=page_size)
+        self.sizing = resolve_sizing(sizing, page_size)
         self._kvcache = kvcache
         self._ring = kvcache.swa_req_ring_size is not None
         self._rows = req_to_token_pool

@@ -35,7 +35,7 @@ from tiered_kv.device.allocator.paged import (
 from tiered_kv.device.allocator.unified_swa_free import UnifiedSWAFrees
 from tiered_kv.device.allocator.unified_swa_pages import FULL, SWA, TwoEndedPages
 from tiered_kv.device.allocator.unified_swa_plan import SideView, check_bound, plan_write_loc
-from tiered_kv.device.sizing import AllocSizingConfig
+from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.device.unified_swa_pool import UnifiedSWAKVPool
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
@@ -81,7 +81,7 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
         self.dtype = dtype
         # Physical pages are handed out nearest each end, so they are sorted already.
         self.need_sort = bool(need_sort)
-        self.sizing = sizing if sizing is not None else AllocSizingConfig(page_size=page_size)
+        self.sizing = resolve_sizing(sizing, page_size)
         debug_on = platform.debug_mode() if debug_mode is None else bool(debug_mode)
         self._virtual = _VirtualPages(
             num_pages * page_size, page_size, dtype, self.device, None, False,
