@@ -309,3 +309,36 @@ def test_starvation_bound(make_cache):
     # Room frees within one running request's life: 2 prefill steps + 2 decode steps.
     assert waited <= bound + 6, waited
     assert run(10**6) > bound + 6  # without the bound it does starve
+
+
+def test_one_step_admits_its_requests_with_one_load_job(make_cache, monkeypatch):
+    """Requests admitted in the same step are begun together: their host hits go back to the
+    device as one layer-wise job, and every one still computes bit for bit."""
+    from tiered_kv.names import Direction
+
+    cache = make_cache(device_tokens=256, host_tokens=512)
+    cfg = SchedulerConfig(chunk_size=32, max_running=4, record_logits=True)
+    sched = Scheduler(cache, MODEL, cfg)
+    prompts = [[2 + k + (5 * i) % 100 for i in range(25)] for k in range(3)]
+    for p in prompts:
+        sched.add(p, 2)
+    sched.run_until_done(50)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)  # their pages now live on the host only
+    loads = []
+    submit = cache.device_host.submit
+
+    def counted(job):
+        if job.direction is Direction.HOST_TO_DEVICE:
+            loads.append(job.job_id)
+        return submit(job)
+
+    monkeypatch.setattr(cache.device_host, "submit", counted)
+    again = [sched.add(p + [7, 8], 3) for p in prompts]
+    result = sched.step()
+    assert sorted(result.admitted) == sorted(r.rid for r in again)
+    assert len(loads) == 1, loads  # one job for the three host hits
+    sched.run_until_done(50)
+    check_pools(sched)
+    assert all(r.cached_tokens == 24 for r in again)
+    assert_bitwise(again)

@@ -165,6 +165,11 @@ class SchedulerStats:
     finished: int = 0
     overcommits: int = 0
     load_failures: int = 0  # a prefix load failed: the request went back to the queue
+    # begun with the step's batch but no longer fitting with the prefix its begin locked (a
+    # failed load, or a device prefix another's load evicted): back to the queue, unbegun
+    admission_recheck_failed: int = 0
+    draft_trees: int = 0  # speculative decoding: draft trees allocated
+    draft_pages: int = 0  # and their pages
     prompt_tokens: int = 0  # over first admissions
     cached_tokens: int = 0
 

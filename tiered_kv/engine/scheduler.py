@@ -1,6 +1,7 @@
 """Continuous batching over a :class:`TieredKVCache`: a waiting queue and a running batch.
 
-Each ``step``: admit waiting requests in policy order while the budget says they fit; compute
+Each ``step``: admit waiting requests in policy order while the budget says they fit (begun
+together: their host hits load back as one layer-wise job, one layer-done slot); compute
 up to ``chunk_size`` prompt tokens of each prefilling request (within the step's prefill
 budget); feed one token of every decoding request. The budget, in whole pages, is what the
 allocator has free plus what the tree could evict; each running request claims from it the
@@ -10,8 +11,10 @@ the prefix it really locked). Only decode may run out: before a decode step the 
 advanced requests are retracted until its new pages fit beside the claims. A retracted
 request's computed pages go into the tree (``finish``: cached, backed up per the write
 policy); it waits again with ``prompt + output`` as its prompt, served from what is still
-cached. The model is chunk-aligned deterministic: every logit is the no-cache run's, bit for
-bit, however a request was split or retracted.
+cached. With speculative decoding in the cache's sizing, every decode step also allocates
+each request's draft tree (``draft_tree.DraftTrees``), counted in that step's budget. The model
+is chunk-aligned deterministic: every logit is the no-cache run's, bit for bit, however a
+request was split or retracted.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tiered_kv.engine.batch_state import (
     admission_order,
     shared_len,
 )
+from tiered_kv.engine.draft_tree import DraftTrees
 from tiered_kv.engine.model import TinyLlama
 from tiered_kv.engine.prefix_probe import CachedPrefix, cached_prefix
 from tiered_kv.engine.serve import PagedKV
@@ -51,6 +55,7 @@ class Scheduler:
         self.page_size = cache.config.page_size
         config.check_against(self.page_size, cache.config.device.max_requests)
         alloc = cache.allocator
+        self.drafts = DraftTrees(cache)
         reserve = config.decode_reserve_tokens
         self.reserve = self._paged(alloc.request_slot_reserve() if reserve is None else reserve)
         self.capacity = alloc.available_size() + cache.tree.device_tokens  # no request holds
@@ -143,27 +148,38 @@ class Scheduler:
         return admission_order(self.waiting, self.step_count, self.config, cached)
 
     def _admit(self) -> tuple[int, ...]:
-        admitted = []
+        """Choose what fits (predicted from the cached prefixes), begin them together (one
+        layer-wise load job for all their host hits), then check each again with the prefix
+        its begin really locked: one that no longer fits (a load failed, or another's load
+        evicted its device prefix) and every one after it go back to the queue, unbegun."""
+        chosen: list[tuple[EngineRequest, list[int]]] = []
+        committed = self._claims() + self.reserve * len(self.running)
+        base, locking = committed, 0
         for w in self._order():
-            if len(self.running) >= self.config.max_running:
+            if len(self.running) + len(chosen) >= self.config.max_running:
                 break
             tokens = w.prompt + w.output
             device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1])
-            if self._defer(w, tokens, device + host):
+            if self._defer(w, tokens, device + host, [t for _, t in chosen]):
                 continue
             need = self._paged(len(tokens)) - device + self.reserve
-            committed = self._claims() + self.reserve * len(self.running)
-            if not self._fits(need + committed, locking=unlocked):
+            if not self._fits(need + committed, locking=locking + unlocked):
                 break  # no skipping: the head waits for room (nothing starves behind it)
-            req = self.cache.begin(tokens)
-            w.target, w.cache_req = tokens, req
-            # Checked again with the prefix begin really locked (a failed load shortens it).
+            chosen.append((w, tokens))
+            committed, locking = committed + need, locking + unlocked
+        if not chosen:
+            return ()
+        reqs = self.cache.begin_many([tokens for _, tokens in chosen])
+        admitted, committed, full = [], base, False
+        for (w, tokens), req in zip(chosen, reqs, strict=True):
             need = self._paged(len(tokens)) - req.prefix_len + self.reserve
-            if not self._fits(need + committed):
-                self.stats.overcommits += 1
-                w.target, w.cache_req = [], None
+            full = full or not self._fits(need + committed)
+            if full:
+                self.stats.admission_recheck_failed += 1
                 self.cache.abort(req)
-                break
+                continue
+            committed += need
+            w.target, w.cache_req = tokens, req
             self.waiting.remove(w)
             self.running.append(w)
             self._kv[w.rid] = PagedKV(self.cache, req, self.model.embed.dtype)
@@ -180,14 +196,14 @@ class Scheduler:
             admitted.append(w.rid)
         return tuple(admitted)
 
-    def _defer(self, w: EngineRequest, tokens: list[int], cached: int) -> bool:
-        """Whether ``w`` should wait for a running request to cache what they share."""
+    def _defer(self, w: EngineRequest, tokens: list[int], cached: int, chosen: list) -> bool:
+        """Whether ``w`` should wait for a running request (or one chosen in this step) to
+        cache what they share."""
         threshold = self.config.defer_threshold
         if not threshold or self.step_count - w.queued_step >= self.config.max_wait_steps:
             return False
-        shared = max(
-            (shared_len(tokens, r.target, self.page_size) for r in self.running), default=0
-        )
+        ahead = [r.target for r in self.running] + chosen
+        shared = max((shared_len(tokens, t, self.page_size) for t in ahead), default=0)
         return shared - cached >= threshold
 
     # -- prefill and decode -------------------------------------------------------------------
@@ -227,6 +243,7 @@ class Scheduler:
         return True
 
     def _leave(self, r: EngineRequest) -> None:
+        self.drafts.release(r.rid)
         self.running.remove(r)
         del self._kv[r.rid]
         r.cache_req, r.target = None, []
@@ -254,7 +271,13 @@ class Scheduler:
         return total, tuple(finished)
 
     def _decode_need(self, rs: list[EngineRequest]) -> int:
-        return sum(self.page_size for r in rs if len(r.cache_req.tokens) % self.page_size == 0)
+        """Slots one decode step takes: a page for each request whose last page is full,
+        and with speculative decoding each one's draft tree after its new token."""
+        ps, drafts = self.page_size, self.drafts
+        need = sum(ps for r in rs if len(r.cache_req.tokens) % ps == 0)
+        if drafts.enabled:
+            need += sum(drafts.pages_for(len(r.cache_req.tokens) + 1) * ps for r in rs)
+        return need
 
     def _decode(self, ready: set[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """One token for every request in ``ready`` (its prefill done before this step) still
@@ -276,6 +299,12 @@ class Scheduler:
             decoded.append(r.rid)
             if self._emit(r, logits):
                 finished.append(r.rid)
+            elif not self.drafts.grow(r.rid, r.cache_req):
+                self.stats.overcommits += 1  # the step's budget counted this tree
+        if not self.drafts.overlap:
+            for r in batch:  # verified within the step (no draft token is accepted)
+                self.drafts.release(r.rid)
+        self.stats.draft_trees, self.stats.draft_pages = self.drafts.trees, self.drafts.pages
         return tuple(decoded), tuple(finished), tuple(retracted)
 
     def _requeue(self, r: EngineRequest, *, insert: bool) -> None:
@@ -293,6 +322,7 @@ class Scheduler:
 
     def held_device_tokens(self) -> int:
         """Device slots the running requests hold outside the tree (for integrity checks)."""
-        return sum(
+        held = sum(
             self._paged(len(r.cache_req.tokens)) - r.cache_req.prefix_len for r in self.running
         )
+        return held + self.drafts.held_tokens()
