@@ -13,7 +13,14 @@ import time
 import pytest
 import torch
 
-from tests.cache.test_facade import Model, aligned, assert_no_leak, make_cache, make_prompts
+from tests.cache.test_facade import (
+    LAYERS,
+    Model,
+    aligned,
+    assert_no_leak,
+    make_cache,
+    make_prompts,
+)
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import Direction
 
@@ -302,4 +309,62 @@ def test_a_load_on_top_of_a_failed_batch_waits_for_it_and_serves_no_garbage(
     cache.drain()
     for p in (a, b, longer):
         model.serve(p)
+    assert_no_leak(cache)
+
+
+def _older_load_fails_while_a_batch_loads(make_cache, gen, monkeypatch):
+    """A's prefix is host-only; its load (slowed, then failing) is in flight when a batch
+    begins: A2 (A's prefix plus more: a device hit through that load's copies) with B (a host
+    hit of its own, a new load)."""
+    cache = make_cache(device_tokens=256, host_tokens=256, storage_bytes=0)
+    model = Model(cache, gen)
+    a, b = make_prompts(gen, [21, 29])
+    for p in (a, b):
+        model.serve(p)
+    cache.drain()
+    cache.manager.evict_device(1 << 30)
+    real = cache.host_pool.load_to_device_per_layer
+    calls = []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= LAYERS:  # every layer of the first load: slow, then garbage
+            time.sleep(0.01)
+            raise RuntimeError("copy failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", first_fails)
+    ra = cache.begin(a)
+    assert ra.hits.host == 20
+    return cache, model, ra, a, b
+
+
+def test_a_batch_never_reads_through_an_older_failed_load(make_cache, gen, monkeypatch):
+    cache, model, ra, a, b = _older_load_fails_while_a_batch_loads(make_cache, gen, monkeypatch)
+    a2 = a[:-1] + [5, 6, 7, 8, 9]
+    r2, rb = cache.begin_many([a2, b])
+    # The failed load was acknowledged before the batch began: A2 does not reach its copies.
+    assert r2.hits.device == 0 and rb.hits.host == aligned(29)
+    model.check(r2)
+    model.check(rb)
+    with pytest.raises(StateError, match="failed"):
+        cache.prepare_forward(ra)
+    cache.abort(ra)
+    for r in (r2, rb):
+        cache.finish(r)
+    cache.drain()
+    model.serve(a)
+    assert_no_leak(cache)
+
+
+def test_prepare_forward_of_a_list_sees_an_older_failed_load(make_cache, gen, monkeypatch):
+    cache, model, ra, a, b = _older_load_fails_while_a_batch_loads(make_cache, gen, monkeypatch)
+    rb = cache.begin(b)  # a newer load, into b's path only
+    with pytest.raises(StateError, match="failed"):
+        cache.prepare_forward([ra, rb])  # one slot (b's) could not show a's failure
+    cache.abort(ra)
+    cache.prepare_forward([rb])
+    model.check(rb)
+    cache.finish(rb)
+    cache.drain()
     assert_no_leak(cache)

@@ -8,7 +8,8 @@ other layers land) and in every call into the LMDB store (raising OSError or lmd
 failing part of a batch and scribbling on the host pages it reports unread), with slow loads and
 reads so that later requests find copies in flight.
 
-Some requests are begun together (``begin_many``: their host hits load as one job).
+Some requests are begun together (``begin_many``: their host hits load as one job), and some
+are finished together (``finish_many``: their write-through copies go as one job).
 Every served prefix is read back through the device pool's buffer getters (most of the time
 right after ``begin``, always after ``prepare_forward``, and the whole sequence before
 ``finish``) and compared, bit for bit, with the KV the stand-in model gave those tokens. A fault
@@ -243,10 +244,11 @@ class Campaign:
             "forward_failed",
             "failed_late",
         )
-        self.n = dict.fromkeys((*counts, "restarts", "stored_found"), 0)
+        self.n = dict.fromkeys((*counts, "restarts", "stored_found", "finished_together"), 0)
         self.cache = self._open()
         self.model = self.model_cls(self.cache, torch.Generator().manual_seed(seed))
         self.live: list[Live] = []
+        self.finishing: list[Request] = []  # checked, finished later together (finish_many)
         self.prompts: list[list[int]] = []
         self.tiers = {"device": 0, "host": 0, "storage": 0}
         self.first_wrong: str | None = None
@@ -381,18 +383,30 @@ class Campaign:
                 self.n["failed_late"] += 1  # its prefix check passed, yet its prefix load failed
                 return self.abort(live)
             if self.check(live, len(req.tokens), "before finish"):
-                self.cache.finish(req)
                 self.live.remove(live)
+                if rng.random() < 0.4:  # finished later with others (one write job)
+                    self.finishing.append(req)
+                else:
+                    self.cache.finish(req)
                 if len(req.tokens) > len(live.prompt):
                     self.prompts.append(req.tokens[:MAX_PROMPT])  # decoded tokens are cached too
             else:
                 self.abort(live)
 
+    def finish_batch(self) -> None:
+        reqs, self.finishing = self.finishing, []
+        if reqs:
+            self.cache.finish_many(reqs)
+            self.n["finished_together"] += len(reqs)
+
     def step(self) -> None:
         rng, cache = self.rng, self.cache
+        if self.finishing and (len(self.finishing) >= 3 or rng.random() < 0.2):
+            self.finish_batch()
         r = rng.random()
-        if r < 0.2 and len(self.live) < MAX_LIVE:
-            room = MAX_LIVE - len(self.live)
+        held = len(self.live) + len(self.finishing)  # both hold device slots and a row
+        if r < 0.2 and held < MAX_LIVE:
+            room = MAX_LIVE - held
             if room > 1 and rng.random() < 0.3:
                 self.begin_batch([self.new_prompt() for _ in range(rng.randint(2, room))])
             else:
@@ -416,11 +430,13 @@ class Campaign:
 
     def settle(self) -> None:
         """Finish or abort every live request, then every slot and row must be back."""
+        self.finish_batch()
         while self.live:
             if self.rng.random() < 0.5:
                 self.abort(self.live[0])
             else:
                 self.advance(self.live[0])
+        self.finish_batch()
         cache = self.cache
         cache.drain()
         cache.clear_tree()
@@ -484,6 +500,7 @@ def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):
     print(f"ops {OPS}, {c.n}, tier hits {c.tiers}, faults {fired}")
     assert c.n["wrong"] == 0, c.first_wrong
     assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20 and c.n["batched"], c.n
+    assert c.n["finished_together"], c.n
     assert c.tiers["device"] and c.tiers["host"], f"a tier was never hit: {c.tiers}"
     if kind == "swa":  # requests gave window KV back: tombstones were formed and matched
         window = c.cache.metrics.window

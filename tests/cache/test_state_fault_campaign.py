@@ -411,7 +411,8 @@ class HybridCampaign(Campaign):
         assert ledger.host.available_size() + len(host) == ledger.host.num_slots, host
         rows.check_integrity()
         ps = self.config.page_size
-        own = sum(-(-len(x.req.tokens) // ps) * ps - x.req.prefix_len for x in self.live)
+        held = [x.req for x in self.live] + self.finishing  # checked, finished later together
+        own = sum(-(-len(r.tokens) // ps) * ps - r.prefix_len for r in held)
         cache.manager.check_integrity(outside_device=own)  # the live requests' own pages
 
     def settle(self) -> None:

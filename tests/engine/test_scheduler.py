@@ -342,3 +342,23 @@ def test_one_step_admits_its_requests_with_one_load_job(make_cache, monkeypatch)
     check_pools(sched)
     assert all(r.cached_tokens == 24 for r in again)
     assert_bitwise(again)
+
+
+@pytest.mark.slow
+def test_thousands_of_steps_never_overcommit(make_cache, tmp_path):
+    """The issue's bar: a random workload of thousands of steps, every tier in play (a store
+    too), pool invariants after every step, every finished request bitwise."""
+    t0 = time.monotonic()
+    cache = make_cache(
+        device_tokens=160,
+        host_tokens=320,
+        storage_bytes=32 << 20,
+        storage_path=str(tmp_path / "store"),
+        prefetch_threshold=PAGE,
+        write_policy="write_back",
+    )
+    sched = random_workload(cache, 7, 3000, "cache_aware")
+    assert sched.stats.steps >= 3000 and sched.stats.overcommits == 0
+    assert sched.stats.retracted > 0 and len(sched.finished) > 300
+    assert_bitwise(sched.finished)
+    assert time.monotonic() - t0 < 300

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 
 import torch
 
 from tiered_kv.cache import lifecycle
 from tiered_kv.cache.build import build_cache_parts
 from tiered_kv.cache.metrics import prometheus_text, store_stats
-from tiered_kv.cache.request import Request, token_ids
+from tiered_kv.cache.request import Request, check_rows_free, prompt_ids, token_ids
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.device.write_loc import KVWriteLoc
@@ -97,6 +96,8 @@ class TieredKVCache:
         if not prompts:
             return []
         self._check_rows(len(prompts))
+        # The batch's forward follows its merged load only: earlier loads must have landed.
+        self.manager.chain_loads.settle_older()
         reqs: list[Request] = []
         batch = self.manager.load_batch
         batch.open()
@@ -125,20 +126,10 @@ class TieredKVCache:
         return reqs
 
     def _prompt(self, tokens) -> list[int]:
-        tokens = token_ids(tokens)
-        if not tokens or len(tokens) > self.config.device.max_context_len:
-            raise InvalidArgumentError(
-                f"prompt of {len(tokens)} tokens; need 1..{self.config.device.max_context_len}"
-            )
-        return tokens
+        return prompt_ids(tokens, self.config.device.max_context_len)
 
     def _check_rows(self, n: int) -> None:
-        free = self.req_to_token.available_size()
-        if n > free:
-            raise StateError(
-                f"{n} requests need {n} request rows; {free} of "
-                f"{self.config.device.max_requests} are free"
-            )
+        check_rows_free(n, self.req_to_token.available_size(), self.config.device.max_requests)
 
     def _begin_one(self, tokens: list[int]) -> Request:
         kv = self.states.alloc_row() if self.states is not None else RequestKV()
@@ -183,6 +174,7 @@ class TieredKVCache:
             raise InvalidArgumentError("prepare_forward needs a request or a non-empty list")
         for r in reqs:
             self._check_live(r)
+        self.manager.chain_loads.settle_older([r.node for r in reqs])  # one slot covers all
         self.manager.poll()
         for r in reqs:
             if self.manager.holds_stale(r.node):
@@ -291,6 +283,27 @@ class TieredKVCache:
         and partial-page slots are freed, its lock and row returned. A request whose prefix
         load failed is aborted instead."""
         self._check_live(req)
+        self._finish_one(req)
+
+    @_serialized
+    def finish_many(self, reqs) -> None:
+        """``finish`` for requests done together: their new pages' write-through copies to
+        host go as one job (and, once landed, their backups as one storage job). Every
+        request is checked before anything changes."""
+        reqs = list(reqs)
+        for r in reqs:
+            self._check_live(r)
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise StateError("finish_many got the same request twice; pass each once")
+        batch = self.manager.write_batch
+        batch.open()
+        try:
+            for r in reqs:
+                self._finish_one(r)
+        finally:
+            batch.flush()
+
+    def _finish_one(self, req: Request) -> None:
         inserted = lifecycle.finish(
             self.manager, req.grant, req.tokens, req.slots, windowless=req.window_freed
         )
@@ -339,18 +352,7 @@ class TieredKVCache:
     def drain(self, timeout_s: float = 600.0) -> None:
         """Wait for every copy and backup in flight and acknowledge them. Raises StateError
         naming what is still in flight if that takes longer than ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self.manager.pending_ops():
-            before = self.manager.pending_ops()
-            self.manager.wait_all(max(0.0, deadline - time.monotonic()))
-            self.manager.poll()
-            if self.manager.pending_ops() >= before:
-                time.sleep(0.001)  # a storage thread is between its batch and its report
-            if self.manager.pending_ops() and time.monotonic() > deadline:
-                raise StateError(
-                    f"drain: {self.manager.pending_ops()} jobs still in flight after "
-                    f"{timeout_s} s ({self.manager.jobs.describe()})"
-                )
+        self.manager.drain(timeout_s)
 
     @_serialized
     def free_sizes(self) -> dict[str, int]:

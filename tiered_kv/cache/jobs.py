@@ -92,8 +92,9 @@ class JobTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def ids(self) -> set[JobId]:
-        return set(self._jobs)
+    def ids(self, kind: PendingKind | Direction | None = None) -> set[JobId]:
+        """The jobs in flight (of ``kind`` only, if given)."""
+        return {i for i, j in self._jobs.items() if kind is None or j.kind == kind}
 
     def describe(self) -> str:
         """The jobs in flight by kind, e.g. ``backup: 1, write: 2``."""

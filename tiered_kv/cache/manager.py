@@ -17,20 +17,23 @@ its ok result: a failed write frees its host slots, a failed load marks its devi
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tiered_kv.cache.accounting import check_slots
+from tiered_kv.cache.chain_load import ChainLoads
+from tiered_kv.cache.copy_batch import CopyBatch
 from tiered_kv.cache.eviction import Evictor
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, LoadWorker, PageProbe, StateHitRule
 from tiered_kv.cache.interfaces import TransferWorker as StorageWorker
 from tiered_kv.cache.jobs import Job, JobTable
-from tiered_kv.cache.load_batch import LoadBatch
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.prefetch import Prefetcher
 from tiered_kv.cache.prefix_match import PrefixMatch, StorageHit
 from tiered_kv.cache.window import SlidingWindow, probe_complete
-from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.names import PendingKind, WritePolicy, parse
+from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.names import Direction, PendingKind, WritePolicy, parse
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.integrity import check_tree
@@ -79,7 +82,15 @@ class CacheManager:
         self.metrics = metrics if metrics is not None else CacheMetrics()
         self.page_size = tree.page_size
         self.jobs = JobTable(device_host, host_storage, self.metrics)
-        self.load_batch = LoadBatch(self.jobs, self._submit_copy)
+        # Copies set up together go as one job per direction (``copy_batch``).
+        self.load_batch = CopyBatch(self.jobs, Direction.HOST_TO_DEVICE, self._submit_copy)
+        self.write_batch = CopyBatch(self.jobs, Direction.DEVICE_TO_HOST, self._submit_copy)
+        backup = Direction.HOST_TO_STORAGE
+        self.backup_batch = CopyBatch(self.jobs, backup, self.jobs.submit_storage)
+        self.chain_loads = ChainLoads(
+            self, tree, device, self.jobs, self.load_batch, device_host, window,
+            self.alloc_device, self._submit_copy, self._load_done,
+        )  # fmt: skip
         self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
         self.evictor.states = states.ledger if states is not None else None
@@ -88,13 +99,42 @@ class CacheManager:
 
     # -- jobs -----------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Acknowledge every finished job (never blocks)."""
-        self.jobs.poll()
+        """Acknowledge every finished job (never blocks). The storage backups its handlers
+        start (landed write-through copies) go as one job."""
+        batch = self.backup_batch
+        opened = self.host_storage is not None and not batch.is_open
+        if opened:
+            batch.open()
+        try:
+            self.jobs.poll()
+        finally:
+            if opened:
+                batch.flush()
 
     def wait_all(self, timeout_s: float | None = None) -> bool:
         """Block until every job in flight has finished (acknowledged by the next ``poll``) or
-        ``timeout_s`` passed; True when all finished."""
+        ``timeout_s`` passed; True when all finished. Copies held by an open write or backup
+        batch are submitted first (what is waited for must be in flight)."""
+        for batch in (self.write_batch, self.backup_batch):
+            if batch.is_open:
+                batch.flush()
         return self.jobs.wait_all(timeout_s)
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait for every job in flight and acknowledge it; StateError naming what is still
+        in flight after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending_ops():
+            before = self.pending_ops()
+            self.wait_all(max(0.0, deadline - time.monotonic()))
+            self.poll()
+            if self.pending_ops() >= before:
+                time.sleep(0.001)  # a storage thread is between its batch and its report
+            if self.pending_ops() and time.monotonic() > deadline:
+                raise StateError(
+                    f"drain: {self.pending_ops()} jobs still in flight after {timeout_s} s "
+                    f"({self.jobs.describe()})"
+                )
 
     def pending_ops(self) -> int:
         return len(self.jobs)
@@ -202,7 +242,10 @@ class CacheManager:
         job_id = self.jobs.new(PendingKind.WRITE, node, self._write_done)
         self.inc_lock_ref(node)
         self.tree.begin_job(job_id, PendingKind.WRITE, [node])
-        if self._submit_copy(TransferJob.write(job_id, node.device, host)) and wait:
+        job = TransferJob.write(job_id, node.device, host)
+        if not wait and self.write_batch.is_open:
+            self.write_batch.add(job)  # submitted with the batch's other writes at its flush
+        elif self._submit_copy(job) and wait:
             self.device_host.wait([job_id])  # write_back: the device slots are freed next
             self.poll()
         return node.on_host
@@ -219,66 +262,9 @@ class CacheManager:
 
     # -- host -> device -------------------------------------------------------------------------
     def load_back(self, node: TreeNode) -> torch.Tensor | None:
-        """Bring the host-only chain ending at ``node`` back to the device, all or nothing, as
-        one layer-wise load job. Returns the new device slots (top-down order), an empty tensor
-        if ``node`` is on the device, or None when the device cannot make room or the device
-        part above the chain turned out stale (nothing changed, or the worker refused the load
-        and what was set up for it is undone). Blocks on loads still in flight into that device
-        part, and may acknowledge finished jobs. The caller should lock ``node`` while it uses
-        it, and look at the tree again after None."""
-        chain, n = [], node
-        while n.parent is not None and not n.on_device:
-            chain.append(n)
-            n = n.parent
-        if not chain:
-            return _EMPTY
-        chain.reverse()
-        total = sum(len(c) for c in chain)
-        # Keep the chain's host pages and its device ancestors while the device makes room.
-        self.inc_host_ref(node)
-        self.inc_lock_ref(n)
-        try:
-            # A load held by the open batch goes in this one's job (one fate, its layers land
-            # with these): only loads already submitted are waited for, by their worker's id.
-            held = self.load_batch.holds
-            above = [
-                self.load_batch.worker_id(j)
-                for j in (m.pending.get(PendingKind.LOAD) for m in path_to_root(n))
-                if j is not None and not held(j)
-            ]
-            if above:
-                # Hazard: a reader of the chain waits on this load's layer events only, which
-                # cannot tell that a load still in flight into the device part above failed
-                # (that copy is garbage then). Wait for it and acknowledge it first.
-                self.device_host.wait(above)
-                self.poll()
-            device = self.alloc_device(total)
-            if device is not None and self.tree.holds_stale(n):
-                # A failed load of the device part above the chain was acknowledged (just
-                # above, or while making room): nothing is loaded below garbage.
-                self.device.free(device)
-                device = None
-        finally:
-            self.dec_host_ref(node)
-            self.dec_lock_ref(n)
-        if device is None:
-            return None
-        job_id = self.jobs.new(PendingKind.LOAD, node, self._load_done)
-        pos = 0
-        for c in chain:
-            self.tree.set_device(c, device[pos : pos + len(c)])
-            pos += len(c)
-        if self.window is not None:
-            self.window.drop_windowless(chain)  # tombstones get their full KV only
-        self.tree.begin_job(job_id, PendingKind.LOAD, chain)
-        self.inc_lock_ref(node)
-        self.inc_host_ref(node)
-        job = TransferJob.load(job_id, torch.cat([c.host for c in chain]), device)
-        if self.load_batch.is_open:
-            self.load_batch.add(job)  # submitted with the batch's other loads at its flush
-        elif not self._submit_copy(job):
-            return None  # refused: its handler dropped the new copies, compute the part instead
-        return device
+        """Bring the host-only chain ending at ``node`` back to the device as one layer-wise
+        load job (``chain_load.ChainLoads.load``: all or nothing, None when it cannot)."""
+        return self.chain_loads.load(node)
 
     def _submit_copy(self, job: TransferJob) -> bool:
         """Submit a device <-> host job. A refusal is a failed result; a worker that raises
@@ -327,7 +313,10 @@ class CacheManager:
         job_id = self.jobs.new(PendingKind.BACKUP, node, self._backup_done)
         self.inc_host_ref(node)
         self.tree.begin_job(job_id, PendingKind.BACKUP, [node])
-        if self.jobs.submit_storage(TransferJob.backup(job_id, keys, node.host)) and wait:
+        job = TransferJob.backup(job_id, keys, node.host)
+        if not wait and self.backup_batch.is_open:
+            self.backup_batch.add(job)
+        elif self.jobs.submit_storage(job) and wait:
             self.host_storage.wait([job_id])  # write_back: the host slots are freed next
             self.poll()
 

@@ -1,5 +1,5 @@
 """Request: what ``TieredKVCache.begin`` hands a serving loop for one request, and the checks
-of a prompt's token ids (done once, before anything changes)."""
+of a prompt's token ids and of free request rows (done once, before anything changes)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from tiered_kv.cache.lifecycle import PrefixGrant
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.device.req_to_token_pool import RequestKV
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.tree.node import TreeNode
 
 
@@ -56,3 +56,17 @@ def token_ids(tokens) -> list[int]:
             f"token ids {bad[:8]} are outside 0..{MAX_TOKEN_ID} (uint32); nothing was changed"
         )
     return ids
+
+
+def prompt_ids(tokens, max_context_len: int) -> list[int]:
+    """A prompt's token ids (``token_ids``), 1..``max_context_len`` of them."""
+    tokens = token_ids(tokens)
+    if not tokens or len(tokens) > max_context_len:
+        raise InvalidArgumentError(f"prompt of {len(tokens)} tokens; need 1..{max_context_len}")
+    return tokens
+
+
+def check_rows_free(n: int, free: int, max_requests: int) -> None:
+    """StateError unless ``n`` requests find a free request row each."""
+    if n > free:
+        raise StateError(f"{n} requests need {n} request rows; {free} of {max_requests} are free")

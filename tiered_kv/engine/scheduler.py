@@ -66,6 +66,7 @@ class Scheduler:
         self.step_count = 0
         self._next_id = self._seq = 0  # request ids; admission order (the newest is retracted)
         self._kv: dict[int, PagedKV] = {}
+        self._finishing: list = []  # cache requests done this phase, finished together
 
     # -- public -------------------------------------------------------------------------------
     def add(self, prompt, max_new_tokens: int) -> EngineRequest:
@@ -99,7 +100,9 @@ class Scheduler:
         admitted = self._admit()
         ready = {r.rid for r in self.running if not r.prefilling}  # a prefill ending now waits
         prefilled, finished = self._prefill()
+        self._finish_pending()
         decoded, done, retracted = self._decode(ready)
+        self._finish_pending()
         self.cache.poll()
         self.step_count += 1
         self.stats.steps += 1
@@ -235,12 +238,17 @@ class Scheduler:
             r.first_token_step = self.step_count
         if not r.done:
             return False
-        self.cache.finish(r.cache_req)
+        self._finishing.append(r.cache_req)  # finished with the phase's others (one write job)
         self._leave(r)
         r.state, r.finish_step = ReqState.FINISHED, self.step_count
         self.finished.append(r)
         self.stats.finished += 1
         return True
+
+    def _finish_pending(self) -> None:
+        if self._finishing:
+            reqs, self._finishing = self._finishing, []
+            self.cache.finish_many(reqs)
 
     def _leave(self, r: EngineRequest) -> None:
         self.drafts.release(r.rid)
