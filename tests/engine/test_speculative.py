@@ -11,9 +11,8 @@ import random
 import pytest
 import torch
 
-from tests.engine.test_scheduler import MC, MODEL, PAGE, assert_bitwise, check_pools
+from tests.engine.test_scheduler import MODEL, PAGE, assert_bitwise, check_pools, make_cache
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.sizing import (
     AllocSizingConfig,
     draft_tree_spans,
@@ -23,6 +22,8 @@ from tiered_kv.device.sizing import (
 from tiered_kv.engine.batch_state import SchedulerConfig
 from tiered_kv.engine.draft_tree import DraftTrees
 from tiered_kv.engine.scheduler import Scheduler
+
+__all__ = ["make_cache"]  # the fixture, imported for pytest
 
 STEPS, TOPK = 3, 3  # ceil((8 - 1 + 3) / 8) = 2 pages a branch: 48 tokens a step
 
@@ -40,29 +41,20 @@ def sizing(overlap: bool = True, **changes) -> AllocSizingConfig:
     return AllocSizingConfig(**base)
 
 
-def make(request, sizing_cfg, **changes) -> TieredKVCache:
-    base = dict(
-        num_layers=MC.num_layers,
-        head_num=MC.num_kv_heads,
-        head_dim=MC.head_dim,
-        page_size=PAGE,
-        device_tokens=512,
-        host_tokens=512,
-        storage_bytes=0,
-        model_id="tinyllama@spec",
-        max_requests=8,
-        max_context_len=256,
-        sizing=sizing_cfg,
-    )
-    base.update(changes)
-    cache = TieredKVCache(TieredKVConfig.flat(**base))
-    request.addfinalizer(cache.close)
-    return cache
+@pytest.fixture
+def make(make_cache):
+    """The scheduler tests' cache with a sizing (a bigger device, shorter rows by default)."""
+
+    def build(sizing_cfg: AllocSizingConfig, **changes) -> TieredKVCache:
+        return make_cache(**{"device_tokens": 512, "max_context_len": 256, **changes},
+                          sizing=sizing_cfg)  # fmt: skip
+
+    return build
 
 
-def test_a_tree_at_every_offset_takes_its_pages_and_writes_the_headroom(request):
+def test_a_tree_at_every_offset_takes_its_pages_and_writes_the_headroom(make):
     cfg = sizing()
-    cache = make(request, cfg)
+    cache = make(cfg)
     trees = DraftTrees(cache)
     length = get_alloc_len_per_decode(cfg)
     assert length == 2 * PAGE * TOPK
@@ -89,9 +81,9 @@ def test_a_tree_at_every_offset_takes_its_pages_and_writes_the_headroom(request)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_overlap_holds_two_trees_and_the_reserve_covers_them(request, overlap, monkeypatch):
+def test_overlap_holds_two_trees_and_the_reserve_covers_them(make, overlap, monkeypatch):
     cfg = sizing(overlap)
-    cache = make(request, cfg)
+    cache = make(cfg)
     trees = DraftTrees(cache)
     prompt = [5 + i % 90 for i in range(PAGE - 1)]  # the worst offset
     req = cache.begin(prompt)
@@ -118,17 +110,17 @@ def test_overlap_holds_two_trees_and_the_reserve_covers_them(request, overlap, m
     cache.abort(req)
 
 
-def run_alone(request, cfg: AllocSizingConfig, reserve: int | None = None) -> Scheduler:
+def run_alone(make, cfg: AllocSizingConfig, reserve: int | None = None) -> Scheduler:
     """One request that decodes across several pages, in a device pool sized to exactly what
     admission asks for it (its pages, one page, one slot and the per-request reserve)."""
     prompt = [3 + (5 * i) % 100 for i in range(2 * PAGE - 1)]
     new = 3 * PAGE
-    probe = make(request, cfg)
+    probe = make(cfg)
     r = Scheduler(probe, MODEL, SchedulerConfig(chunk_size=2 * PAGE)).reserve
     r = r if reserve is None else reserve
     paged = -(-len(prompt) // PAGE) * PAGE  # what max_new_tokens_for_memory counts
     tokens = -(-(paged + new + PAGE + 1 + r) // PAGE) * PAGE
-    cache = make(request, cfg, device_tokens=tokens, host_tokens=0)
+    cache = make(cfg, device_tokens=tokens, host_tokens=0)
     sched = Scheduler(
         cache,
         MODEL,
@@ -146,27 +138,27 @@ def run_alone(request, cfg: AllocSizingConfig, reserve: int | None = None) -> Sc
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_worst_case_tree_fits_the_derived_reserve(request, overlap):
-    sched = run_alone(request, sizing(overlap))
+def test_the_worst_case_tree_fits_the_derived_reserve(make, overlap):
+    sched = run_alone(make, sizing(overlap))
     assert len(sched.finished) == 1
     assert sched.stats.retracted == 0 and sched.stats.overcommits == 0
     assert sched.stats.draft_trees == 3 * PAGE - 2  # after every decode step but the last
     assert_bitwise(sched.finished)
 
 
-def test_a_reserve_without_the_partial_page_copy_is_too_small(request):
+def test_a_reserve_without_the_partial_page_copy_is_too_small(make):
     """The formula without the page_size - 1 term (one page a branch here) leaves a pool that
     cannot hold the tree at the worst offsets: the only request keeps being retracted."""
     cfg = sizing(True)
     short = 2 * (PAGE * TOPK) + PAGE  # two trees of one page a branch, and the token's page
-    sched = run_alone(request, cfg, reserve=short)
+    sched = run_alone(make, cfg, reserve=short)
     assert sched.stats.retracted > 0 or not sched.finished
 
 
 @pytest.mark.parametrize("seed, overlap", [(11, True), (12, False)])
-def test_random_workloads_with_draft_trees_never_overcommit(request, seed, overlap):
+def test_random_workloads_with_draft_trees_never_overcommit(make, seed, overlap):
     rng = random.Random(seed)
-    cache = make(request, sizing(overlap), device_tokens=320, host_tokens=512)
+    cache = make(sizing(overlap), device_tokens=320, host_tokens=512)
     cfg = SchedulerConfig(
         chunk_size=16, max_prefill_tokens=32, max_running=4, max_wait_steps=20, record_logits=True
     )
@@ -186,8 +178,8 @@ def test_random_workloads_with_draft_trees_never_overcommit(request, seed, overl
     assert_bitwise(sched.finished)
 
 
-def test_a_request_at_the_context_limit_drafts_into_the_headroom(request):
-    cache = make(request, sizing(True), max_context_len=40)
+def test_a_request_at_the_context_limit_drafts_into_the_headroom(make):
+    cache = make(sizing(True), max_context_len=40)
     sched = Scheduler(cache, MODEL, SchedulerConfig(chunk_size=16, record_logits=True))
     sched.add([9 + i % 77 for i in range(30)], 10)  # 40 tokens: the whole context
     sched.run_until_done(100)
@@ -198,10 +190,10 @@ def test_a_request_at_the_context_limit_drafts_into_the_headroom(request):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_retraction_gives_back_the_trees(request, overlap):
+def test_retraction_gives_back_the_trees(make, overlap):
     """Two long decodes outgrow a small pool with their trees: one is retracted (its trees
     freed with it), resumes from its cached prefix, and both finish bit for bit."""
-    cache = make(request, sizing(overlap), device_tokens=256, host_tokens=512)
+    cache = make(sizing(overlap), device_tokens=256, host_tokens=512)
     sched = Scheduler(cache, MODEL, SchedulerConfig(chunk_size=32, record_logits=True))
     for k in range(2):
         sched.add([11 + k + (3 * i) % 90 for i in range(20)], 90)
