@@ -18,6 +18,9 @@ PIP_TORCH_ARGS ?=
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@# The Redis tier's tests start a real redis-server on 127.0.0.1 (Debian's package).
+	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; } \
+		|| { echo "make install: needs redis-server (Debian: apt-get install redis-server)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(PY) -m pip install --quiet -e ".[test]"

@@ -1,5 +1,5 @@
-"""The storage contract, run against every implementation (MemoryStorage, and LMDBStorage and
-SlabStorage, the two layouts of the disk tier)."""
+"""The storage contract, run against every implementation (MemoryStorage, LMDBStorage and
+SlabStorage, the two layouts of the disk tier, and RedisStorage on a real redis-server)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import LMDBStorage, MemoryStorage, StorageNamespace, page_keys, value_format
 from tiered_kv.storage.keys import KEY_BYTES
+from tiered_kv.storage.redis_store import RedisStorage
 from tiered_kv.storage.slab_store import SlabStorage
 
 from ._util import (
@@ -23,7 +24,7 @@ from ._util import (
     raw_key,
 )
 
-IMPLS = ["memory", "lmdb", "lmdb-1-thread", "slab", "slab-1-thread"]
+IMPLS = ["memory", "lmdb", "lmdb-1-thread", "slab", "slab-1-thread", "redis"]
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -49,10 +50,16 @@ def keys(ns):
 def make_store(request, tmp_path):
     """A factory of stores of the parametrized kind; every store is closed at teardown."""
     made = []
+    server = None
+    if request.param == "redis":  # one server for the session, emptied for each test
+        server = request.getfixturevalue("redis_server")
+        server.flush()
 
     def make(ns, page_nbytes, budget_bytes=None, path=None):
         if request.param == "memory":
             store = MemoryStorage(ns, page_nbytes, budget_bytes=budget_bytes)
+        elif request.param == "redis":
+            store = RedisStorage(ns, page_nbytes, url=server.url, budget_bytes=budget_bytes)
         else:
             threads = 1 if request.param.endswith("-1-thread") else 3
             store = (SlabStorage if request.param.startswith("slab") else LMDBStorage)(
@@ -159,7 +166,7 @@ def test_set_refresh_protects_from_eviction(make_store, tmp_path):
     nbytes = 16 * 4096 - 16
     src = ByteSource(nbytes, 4)
     ns = byte_namespace(nbytes)
-    if make_store.kind == "memory":
+    if make_store.kind in ("memory", "redis"):  # a budget of whole records
         budget = 8 * (nbytes + value_format.HEADER_BYTES)
     else:
         budget = min_lmdb_budget(tmp_path, ns, nbytes) + 8 * nbytes
