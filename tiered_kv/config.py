@@ -6,19 +6,19 @@ options), ``storage`` (the store's budget, path and own options) and ``policies`
 are unique across sections, so :meth:`TieredKVConfig.flat` (and :meth:`replace`) take them as
 plain keywords. Every check names the field (``TieredKVConfig.<field>=<value>``) and what would
 be valid; nothing is built from a config that fails. This module imports nothing from the rest
-of the package but its vocabulary, errors and the allocators' sizing settings.
+of the package but its vocabulary, errors, the allocators' sizing settings and the storage
+section (``storage_config``, with the backend choice).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tiered_kv._config_checks import _choice, _ints, _is_int, _need, _seconds
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import (
     EvictionPolicyName,
@@ -26,41 +26,13 @@ from tiered_kv.names import (
     IOBackend,
     ModelKind,
     PrefetchPolicy,
-    StorageLayout,
     WritePolicy,
 )
 from tiered_kv.sizing_config import AllocSizingConfig, resolve_sizing
+from tiered_kv.storage_config import StorageConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
-
-
-def _need(ok: bool, obj: object, name: str, valid: str) -> None:
-    if not ok:
-        raise InvalidArgumentError(
-            f"TieredKVConfig.{name}={getattr(obj, name)!r} is invalid: {valid}"
-        )
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        _need(_is_int(v) and v >= minimum, obj, n, f"an int >= {minimum}")
-
-
-def _choice(obj: object, name: str, options: tuple[str, ...]) -> None:
-    v = getattr(obj, name)
-    _need(isinstance(v, str) and v in options, obj, name, f"use one of {', '.join(options)}")
-
-
-def _seconds(obj: object, name: str) -> None:
-    v = getattr(obj, name)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) and v >= 0
-    _need(ok, obj, name, "a number of seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -217,43 +189,6 @@ class HostConfig:
 
 
 @dataclass(frozen=True)
-class StorageConfig:
-    storage_bytes: int = 0  # 0: no storage tier
-    storage_path: str | os.PathLike | None = None
-    namespace_salt: str | None = None  # a tenant's salt: its keys never match another's
-    model_id: str | None = None  # the model's name + weights fingerprint or revision (storage)
-    rank: str | None = None  # the parallel rank, where ranks hold different bytes
-    storage_batch_pages: int = 32
-    storage_layout: str = "slab"  # StorageLayout: where page bytes live on disk
-    io_threads: int | None = None  # None: the store's default
-    durable: bool = False
-    hugepages: bool = False
-
-    def __post_init__(self) -> None:
-        _ints(self, ("storage_bytes",), minimum=0)
-        _ints(self, ("storage_batch_pages",))
-        if self.storage_bytes:
-            ok = self.storage_path is not None
-            _need(ok, self, "storage_path", "a directory when storage_bytes > 0")
-        _need(
-            self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
-            self,
-            "storage_path",
-            "None or a directory path (str or os.PathLike)",
-        )
-        _choice(self, "storage_layout", StorageLayout.values())
-        s = self.namespace_salt
-        _need(s is None or isinstance(s, str), self, "namespace_salt", "None or a str")
-        for n in ("model_id", "rank"):
-            v = getattr(self, n)
-            _need(v is None or (isinstance(v, str) and bool(v)), self, n, "None or a non-empty str")
-        t = self.io_threads
-        _need(t is None or (_is_int(t) and t >= 1), self, "io_threads", "None or an int >= 1")
-        for n in ("durable", "hugepages"):
-            _need(isinstance(getattr(self, n), bool), self, n, "True or False")
-
-
-@dataclass(frozen=True)
 class PolicyConfig:
     device_policy: str = "lru"  # EvictionPolicyName
     host_policy: str = "lru"
@@ -387,7 +322,7 @@ class TieredKVConfig:
     @property
     def storage_dir(self) -> Path | None:
         s = self.storage
-        return Path(s.storage_path) if s.storage_bytes else None
+        return Path(s.storage_path) if s.storage_bytes and s.storage_path is not None else None
 
     def prefetch_timeout_s(self, tokens: int) -> float:
         return self.policies.prefetch_timeout_s(tokens)

@@ -46,6 +46,9 @@ RUN_ERRORS = [
 ]
 
 REFERENCE_ERRORS = [
+    (["--storage-backend", "s3"], ["--storage-backend 's3'", "module.path:ClassName"]),
+    (["--storage-options", "{url"], ["--storage-options", "not JSON"]),
+    (["--storage-options", "[1, 2]"], ["--storage-options", "not a JSON object"]),
     (["--users", "abc"], ["--users", "'abc'", "not an integer"]),
     (["--users", "0"], ["--users", "0 must be >= 1"]),
     (["--rounds", "-2"], ["--rounds", "-2 must be >= 1"]),

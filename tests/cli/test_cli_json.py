@@ -219,6 +219,28 @@ def test_run_reference_another_model_of_the_same_kv_shape_never_reads_its_pages(
     assert code == 0 and same["per_request"][0]["storage"] > 0
 
 
+def test_run_reference_on_a_shared_redis_store(tmp_path):
+    """Two runs, two caches, one redis-server: the second starts with the first's pages as
+    storage hits, and every logit still equals the no-cache run's."""
+    from tests.storage.redis_server import RedisServer
+
+    server = RedisServer()
+    try:
+        options = json.dumps({"url": server.url})
+        remote = ["--storage-backend", "redis", "--storage-options", options]
+        first = _run(["--store", str(tmp_path / "unused"), *remote])
+        second = _run(["--store", str(tmp_path / "unused"), *remote])
+    finally:
+        server.stop()
+    for code, res, _ in (first, second):
+        assert code == 0 and res["verification"]["passed"] is True
+        assert res["storage"]["errors"] == 0 and res["storage"]["checksum_failures"] == 0
+        assert res["transfers"]["host_to_storage"]["bytes"] > 0
+    assert second[1]["hits"]["storage"] > first[1]["hits"]["storage"]
+    assert second[1]["transfers"]["storage_to_host"]["bytes"] > 0
+    assert not (tmp_path / "unused").exists()  # nothing was written locally
+
+
 def test_run_reference_fresh_empties_the_store(runs):
     _, first, _ = runs["first"]
     code, fresh, out = runs["fresh"]

@@ -35,8 +35,8 @@ from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.host.pool_group import HostPoolGroup
 from tiered_kv.names import ModelKind
 from tiered_kv.storage import StorageNamespace
+from tiered_kv.storage.backends import open_backend
 from tiered_kv.storage.guarded_store import GuardedStorage
-from tiered_kv.storage.layouts import open_store
 from tiered_kv.transfer.device_host import DeviceHostTransfer
 from tiered_kv.transfer.host_storage import HostStorageTransfer
 from tiered_kv.tree.tiered_tree import TieredTree
@@ -193,15 +193,7 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
                 )
                 storage = GuardedStorage(
                     functools.partial(
-                        open_store,
-                        s.storage_layout,
-                        c.storage_dir,
-                        namespace,
-                        host_pool.page_nbytes,
-                        budget_bytes=s.storage_bytes,
-                        durable=s.durable,
-                        hugepages=s.hugepages,
-                        io_threads=s.io_threads,
+                        open_backend, s, c.storage_dir, namespace, host_pool.page_nbytes
                     )
                 )
                 opened.append(storage)

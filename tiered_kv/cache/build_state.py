@@ -26,8 +26,8 @@ from tiered_kv.device.sizing import request_row_width, resolve_sizing
 from tiered_kv.device.slot_states import NGramPool
 from tiered_kv.host.state_pool import HostStatePool
 from tiered_kv.names import WritePolicy
+from tiered_kv.storage.backends import open_backend
 from tiered_kv.storage.guarded_store import GuardedStorage
-from tiered_kv.storage.layouts import open_store
 
 NGRAM_EOS = 0  # the n-gram pool's fill value for positions before a request's first token
 
@@ -94,12 +94,9 @@ def recurrent_state(
         )
         if s.storage_bytes:
             namespace = host.namespace(model=s.model_id, tenant=s.namespace_salt, rank=s.rank)
-            store = GuardedStorage(
-                functools.partial(
-                    open_store, s.storage_layout, c.storage_dir, namespace, host.page_nbytes,
-                    budget_bytes=s.storage_bytes, durable=s.durable, io_threads=s.io_threads,
-                )
-            )  # fmt: skip
+            store = GuardedStorage(  # the page store's backend, under the state namespace
+                functools.partial(open_backend, s, c.storage_dir, namespace, host.page_nbytes)
+            )
             opened.append(store)
     ledger = StateLedger(
         rows.mamba_pool,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from tiered_kv import platform
@@ -62,3 +63,14 @@ def name_list(choices: tuple[str, ...]):
 
 def default_cache_dir() -> Path:
     return platform.cache_dir()
+
+
+def json_object(text: str) -> dict:
+    """A flag's value as one JSON object (a backend's options)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value

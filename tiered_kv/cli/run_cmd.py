@@ -22,7 +22,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.cli.args import default_cache_dir, non_negative_int, positive_int
+from tiered_kv.cli.args import default_cache_dir, json_object, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.config import StorageConfig, TieredKVConfig
 from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
@@ -39,6 +39,7 @@ from tiered_kv.names import (
     StorageLayout,
     WritePolicy,
 )
+from tiered_kv.storage_config import backend_ok
 
 HELP = "tiny reference models, real compute: serve with offload, verify the logits bitwise"
 REL_TOLERANCE = 1e-6
@@ -87,6 +88,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="lmdb: page bytes inside LMDB's map; slab: LMDB holds the index, page bytes in a "
         "preallocated file per namespace (a store directory holds one layout)",
     )
+    c.add_argument(
+        "--storage-backend",
+        default=StorageConfig.storage_backend,
+        help="local (the --store directory), redis, or module.path:ClassName",
+    )
+    c.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        help='the backend\'s own options as one JSON object, e.g. {"url": "redis://host:6379/0"}',
+    )
     c.add_argument("--fresh", action="store_true", help="empty the store first")
     c.add_argument(
         "--host-layout",
@@ -111,6 +123,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(
             f"--head-dim {args.head_dim} must be a multiple of 4 with --attention {args.attention} "
             "(its rope dim, head-dim / 2, must be even)"
+        )
+    if not backend_ok(args.storage_backend):
+        parser.error(
+            f"--storage-backend {args.storage_backend!r}: use local, redis or module.path:ClassName"
         )
     ps = args.page_size
     if ps & (ps - 1):
@@ -218,6 +234,8 @@ def main(args: argparse.Namespace) -> int:
         storage_bytes=args.storage_mib << 20,
         storage_path=store,
         storage_layout=args.storage_layout,
+        storage_backend=args.storage_backend,
+        storage_options=args.storage_options,
         host_layout=args.host_layout,
         device_policy=args.device_policy,
         host_policy=args.host_policy,

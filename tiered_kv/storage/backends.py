@@ -1,0 +1,68 @@
+"""open_backend: the page store a ``StorageConfig`` names, opened for one namespace.
+
+``local`` is the embedded store under the storage directory (``layouts.open_store``, in the
+configured layout); ``redis`` is ``RedisStorage`` on the server its options name; any other
+``module.path:ClassName`` is imported and must be a ``PageStorage`` subclass taking
+``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. A backend that cannot be
+imported or built is a ``StorageOpenError`` naming it (the cache's guard counts it a miss).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from tiered_kv.errors import StorageOpenError
+from tiered_kv.storage.contract import PageStorage
+from tiered_kv.storage.keys import StorageNamespace
+from tiered_kv.storage.layouts import open_store
+from tiered_kv.storage_config import StorageConfig
+
+
+def backend_class(name: str) -> type[PageStorage]:
+    """The class of a ``module.path:ClassName`` backend (or ``redis``)."""
+    if name == "redis":
+        from tiered_kv.storage.redis_store import RedisStorage
+
+        return RedisStorage
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise StorageOpenError(
+            f"storage_backend={name!r} cannot be loaded ({type(exc).__name__}: {exc}); give "
+            "local, redis, or an importable module.path:ClassName"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, PageStorage)):
+        raise StorageOpenError(
+            f"storage_backend={name!r} is not a PageStorage subclass (the storage contract)"
+        )
+    return cls
+
+
+def open_backend(
+    s: StorageConfig,
+    path: str | os.PathLike[str] | None,
+    namespace: StorageNamespace,
+    page_nbytes: int,
+) -> PageStorage:
+    """The store ``s`` configures, for ``namespace``'s pages of ``page_nbytes``."""
+    if s.storage_backend == "local":
+        return open_store(
+            s.storage_layout,
+            path,
+            namespace,
+            page_nbytes,
+            budget_bytes=s.storage_bytes,
+            durable=s.durable,
+            hugepages=s.hugepages,
+            io_threads=s.io_threads,
+        )
+    cls = backend_class(s.storage_backend)
+    options = dict(s.storage_options or {})
+    try:
+        return cls(namespace, page_nbytes, budget_bytes=s.storage_bytes, **options)
+    except TypeError as exc:  # an option the backend does not take
+        raise StorageOpenError(
+            f"storage_backend={s.storage_backend!r} refused storage_options={options!r}: {exc}"
+        ) from None
