@@ -3,7 +3,8 @@
 ``storage_backend`` chooses the store: ``local`` (the embedded store under ``storage_path``, in
 the ``storage_layout``), ``redis`` (``RedisStorage`` on a shared server), or any
 ``module.path:ClassName`` implementing the storage contract; ``storage_options`` are that
-backend's own keyword options (e.g. ``{"url": "redis://10.0.0.5:6379/0"}``).
+backend's own keyword options (e.g. ``{"url": "redis://10.0.0.5:6379/0"}``), and
+``storage_local_copy`` keeps a local store in front of a remote backend (``LayeredStorage``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class StorageConfig:
     storage_layout: str = "slab"  # StorageLayout: where page bytes live on disk (local)
     storage_backend: str = "local"  # local, redis or module.path:ClassName
     storage_options: Mapping[str, object] | None = None  # the backend's own keyword options
+    # a remote backend with a local store (under storage_path) in front: LayeredStorage
+    storage_local_copy: bool = False
     io_threads: int | None = None  # None: the store's default
     durable: bool = False
     hugepages: bool = False
@@ -55,9 +58,12 @@ class StorageConfig:
         o = self.storage_options
         ok = o is None or (isinstance(o, Mapping) and all(isinstance(k, str) for k in o))
         _need(ok, self, "storage_options", "None or a mapping of option names to values")
-        if self.storage_bytes and b == "local":
+        lc = self.storage_local_copy
+        _need(isinstance(lc, bool), self, "storage_local_copy", "True or False")
+        _need(not lc or b != "local", self, "storage_local_copy", "False with the local backend")
+        if self.storage_bytes and (b == "local" or lc):
             ok = self.storage_path is not None
-            _need(ok, self, "storage_path", "a directory when storage_bytes > 0 (local backend)")
+            _need(ok, self, "storage_path", "a directory for the local store (storage_bytes > 0)")
         _need(
             self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)),
             self,

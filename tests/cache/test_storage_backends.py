@@ -110,3 +110,34 @@ def test_the_local_backend_still_needs_a_directory_and_remote_ones_do_not():
         TieredKVConfig.flat(**BASE)
     cfg = TieredKVConfig.flat(**BASE, storage_backend="redis")
     assert cfg.storage_dir is None and cfg.storage.storage_backend == "redis"
+
+
+def test_a_local_copy_in_front_keeps_serving_across_a_restart_without_the_server(
+    request, tmp_path, gen
+):
+    server = RedisServer()
+    request.addfinalizer(server.stop)
+    changes = dict(
+        storage_backend="redis",
+        storage_options={"url": server.url, "timeout_s": 0.5},
+        storage_local_copy=True,
+        storage_path=str(tmp_path / "local"),
+    )
+    cache = cache_on(request, **changes)
+    model = Model(cache, gen)
+    prompts = make_prompts(gen, [21, 30])
+    assert served_from_storage(cache, model, prompts) == [aligned(len(p)) for p in prompts]
+    cache.close()
+    server.stop()  # the shared store is gone; the node restarts with its own copy
+    cache = cache_on(request, **changes)
+    model.cache = cache
+    for p in prompts:
+        assert model.serve(p, drain=True).hits.storage == aligned(len(p))
+    assert_no_leak(cache)
+
+
+def test_a_local_copy_needs_a_remote_backend_and_a_directory():
+    with pytest.raises(InvalidArgumentError, match="storage_local_copy"):
+        TieredKVConfig.flat(**BASE, storage_path="/tmp/x", storage_local_copy=True)
+    with pytest.raises(InvalidArgumentError, match="storage_path"):
+        TieredKVConfig.flat(**BASE, storage_backend="redis", storage_local_copy=True)

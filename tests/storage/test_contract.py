@@ -1,5 +1,6 @@
 """The storage contract, run against every implementation (MemoryStorage, LMDBStorage and
-SlabStorage, the two layouts of the disk tier, and RedisStorage on a real redis-server)."""
+SlabStorage, the two layouts of the disk tier, RedisStorage on a real redis-server, and
+LayeredStorage: a local store in front of the Redis one)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage import LMDBStorage, MemoryStorage, StorageNamespace, page_keys, value_format
 from tiered_kv.storage.keys import KEY_BYTES
+from tiered_kv.storage.layered_store import LayeredStorage
 from tiered_kv.storage.redis_store import RedisStorage
 from tiered_kv.storage.slab_store import SlabStorage
 
@@ -24,7 +26,7 @@ from ._util import (
     raw_key,
 )
 
-IMPLS = ["memory", "lmdb", "lmdb-1-thread", "slab", "slab-1-thread", "redis"]
+IMPLS = ["memory", "lmdb", "lmdb-1-thread", "slab", "slab-1-thread", "redis", "layered"]
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -51,7 +53,7 @@ def make_store(request, tmp_path):
     """A factory of stores of the parametrized kind; every store is closed at teardown."""
     made = []
     server = None
-    if request.param == "redis":  # one server for the session, emptied for each test
+    if request.param in ("redis", "layered"):  # one server for the session, emptied per test
         server = request.getfixturevalue("redis_server")
         server.flush()
 
@@ -60,6 +62,11 @@ def make_store(request, tmp_path):
             store = MemoryStorage(ns, page_nbytes, budget_bytes=budget_bytes)
         elif request.param == "redis":
             store = RedisStorage(ns, page_nbytes, url=server.url, budget_bytes=budget_bytes)
+        elif request.param == "layered":  # a node's own store in front of the shared one
+            store = LayeredStorage(
+                MemoryStorage(ns, page_nbytes, budget_bytes=budget_bytes),
+                RedisStorage(ns, page_nbytes, url=server.url, budget_bytes=budget_bytes),
+            )
         else:
             threads = 1 if request.param.endswith("-1-thread") else 3
             store = (SlabStorage if request.param.startswith("slab") else LMDBStorage)(
@@ -166,7 +173,7 @@ def test_set_refresh_protects_from_eviction(make_store, tmp_path):
     nbytes = 16 * 4096 - 16
     src = ByteSource(nbytes, 4)
     ns = byte_namespace(nbytes)
-    if make_store.kind in ("memory", "redis"):  # a budget of whole records
+    if make_store.kind in ("memory", "redis", "layered"):  # a budget of whole records
         budget = 8 * (nbytes + value_format.HEADER_BYTES)
     else:
         budget = min_lmdb_budget(tmp_path, ns, nbytes) + 8 * nbytes

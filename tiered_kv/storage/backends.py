@@ -3,8 +3,10 @@
 ``local`` is the embedded store under the storage directory (``layouts.open_store``, in the
 configured layout); ``redis`` is ``RedisStorage`` on the server its options name; any other
 ``module.path:ClassName`` is imported and must be a ``PageStorage`` subclass taking
-``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. A backend that cannot be
-imported or built is a ``StorageOpenError`` naming it (the cache's guard counts it a miss).
+``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. With
+``storage_local_copy`` the remote store gets a local one in front (``LayeredStorage``). A
+backend that cannot be imported or built is a ``StorageOpenError`` naming it, raised before
+the cache is built.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from tiered_kv.errors import StorageOpenError
 from tiered_kv.storage.contract import PageStorage
 from tiered_kv.storage.keys import StorageNamespace
+from tiered_kv.storage.layered_store import LayeredStorage
 from tiered_kv.storage.layouts import open_store
 from tiered_kv.storage_config import StorageConfig
 
@@ -48,21 +51,33 @@ def open_backend(
 ) -> PageStorage:
     """The store ``s`` configures, for ``namespace``'s pages of ``page_nbytes``."""
     if s.storage_backend == "local":
-        return open_store(
-            s.storage_layout,
-            path,
-            namespace,
-            page_nbytes,
-            budget_bytes=s.storage_bytes,
-            durable=s.durable,
-            hugepages=s.hugepages,
-            io_threads=s.io_threads,
-        )
+        return _local(s, path, namespace, page_nbytes)
     cls = backend_class(s.storage_backend)
     options = dict(s.storage_options or {})
+    local = _local(s, path, namespace, page_nbytes) if s.storage_local_copy else None
     try:
-        return cls(namespace, page_nbytes, budget_bytes=s.storage_bytes, **options)
+        remote = cls(namespace, page_nbytes, budget_bytes=s.storage_bytes, **options)
     except TypeError as exc:  # an option the backend does not take
+        if local is not None:
+            local.close()
         raise StorageOpenError(
             f"storage_backend={s.storage_backend!r} refused storage_options={options!r}: {exc}"
         ) from None
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise
+    return remote if local is None else LayeredStorage(local, remote)
+
+
+def _local(s: StorageConfig, path, namespace: StorageNamespace, page_nbytes: int) -> PageStorage:
+    return open_store(
+        s.storage_layout,
+        path,
+        namespace,
+        page_nbytes,
+        budget_bytes=s.storage_bytes,
+        durable=s.durable,
+        hugepages=s.hugepages,
+        io_threads=s.io_threads,
+    )
