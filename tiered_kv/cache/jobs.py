@@ -71,10 +71,13 @@ class JobTable:
             self.metrics.storage_errors += 1
         job.on_done(job, result)
 
-    def poll(self) -> None:
+    def poll(self, between: Callable[[], None] | None = None) -> None:
         """Deliver every finished job (never blocks): device <-> host first, then storage, so
-        a landed write's backup can be acknowledged in the same call where it is instant."""
+        a landed write's backup can be acknowledged in the same call where it is instant.
+        ``between`` runs after the first and before the second (submitting batched backups)."""
         for worker in (self.device_host, self.host_storage):
+            if worker is self.host_storage and between is not None:
+                between()
             if worker is not None:
                 for result in worker.poll():
                     self.deliver(result)

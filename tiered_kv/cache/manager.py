@@ -102,13 +102,14 @@ class CacheManager:
         """Acknowledge every finished job (never blocks). The storage backups its handlers
         start (landed write-through copies) go as one job."""
         batch = self.backup_batch
-        opened = self.host_storage is not None and not batch.is_open
-        if opened:
-            batch.open()
-        try:
+        if self.host_storage is None or batch.is_open:
             self.jobs.poll()
+            return
+        batch.open()
+        try:  # submitted before the storage results are read: an instant one lands now
+            self.jobs.poll(between=batch.flush)
         finally:
-            if opened:
+            if batch.is_open:
                 batch.flush()
 
     def wait_all(self, timeout_s: float | None = None) -> bool:
