@@ -108,18 +108,8 @@ class RedisStorage(PageStorage):
     # -- the contract -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         keys = self._check_keys(keys)
-        if not keys:
-            return 0
-        pipe = self._client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(_VALUE + k)
-        try:
-            present = pipe.execute()
-        except redis.RedisError as exc:
-            self._failed("batch_exists", exc)
-            return 0
         n = 0
-        for p in present:
+        for p in self._present(keys, "batch_exists") if keys else []:
             if not p:
                 break
             n += 1
@@ -215,16 +205,17 @@ class RedisStorage(PageStorage):
         if not evicted:
             return [True] * len(keys)
         # A batch larger than the budget evicts its own first pages: say which are not kept.
-        return [bool(p) for p in self._present(keys)]
+        return [bool(p) for p in self._present(keys, "batch_set check")]
 
-    def _present(self, keys: list[bytes]) -> list[int]:
+    def _present(self, keys: list[bytes], what: str) -> list[int]:
+        """Per key, whether its value is on the server (all 0, counted, when it cannot say)."""
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.exists(_VALUE + k)
         try:
             return pipe.execute()
         except redis.RedisError as exc:
-            self._failed("batch_set check", exc)
+            self._failed(what, exc)
             return [0] * len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
