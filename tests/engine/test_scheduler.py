@@ -126,12 +126,16 @@ def test_chunked_prefill_takes_chunks_and_a_shorter_last_one(make_cache):
 
 
 # -- random workloads under pressure --------------------------------------------------------
-def random_workload(cache, seed: int, steps: int, policy: str, write_policy_note: str = ""):
+def random_workload(
+    cache, seed: int, steps: int, policy: str, *, max_running: int = 6, max_new: int = 48
+):
+    """Requests (most sharing one of three system prompts) arriving at random for ``steps``
+    steps, pool invariants after each, then run to the end."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(
         chunk_size=16,
         max_prefill_tokens=32,
-        max_running=6,
+        max_running=max_running,
         policy=policy,
         max_wait_steps=20,
         record_logits=True,
@@ -142,7 +146,7 @@ def random_workload(cache, seed: int, steps: int, policy: str, write_policy_note
         if rng.random() < 0.35 and len(sched.waiting) < 12:
             head = rng.choice(systems) if rng.random() < 0.7 else []
             tail = [rng.randrange(1, 128) for _ in range(rng.randrange(1, 40))]
-            sched.add(head + tail, rng.randrange(1, 48))
+            sched.add(head + tail, rng.randrange(1, max_new))
         sched.step()
         check_pools(sched)
     sched.run_until_done(2000)

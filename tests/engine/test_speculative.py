@@ -6,12 +6,17 @@ trees at once, and outputs stay the plain greedy decode's, bit for bit."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.engine.test_scheduler import MODEL, PAGE, assert_bitwise, check_pools, make_cache
+from tests.engine.test_scheduler import (
+    MODEL,
+    PAGE,
+    assert_bitwise,
+    check_pools,
+    make_cache,
+    random_workload,
+)
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.device.sizing import (
     AllocSizingConfig,
@@ -157,22 +162,8 @@ def test_a_reserve_without_the_partial_page_copy_is_too_small(make):
 
 @pytest.mark.parametrize("seed, overlap", [(11, True), (12, False)])
 def test_random_workloads_with_draft_trees_never_overcommit(make, seed, overlap):
-    rng = random.Random(seed)
     cache = make(sizing(overlap), device_tokens=320, host_tokens=512)
-    cfg = SchedulerConfig(
-        chunk_size=16, max_prefill_tokens=32, max_running=4, max_wait_steps=20, record_logits=True
-    )
-    sched = Scheduler(cache, MODEL, cfg)
-    systems = [[rng.randrange(1, 128) for _ in range(rng.choice((8, 16)))] for _ in range(3)]
-    for _ in range(260):
-        if rng.random() < 0.35 and len(sched.waiting) < 10:
-            head = rng.choice(systems) if rng.random() < 0.7 else []
-            tail = [rng.randrange(1, 128) for _ in range(rng.randrange(1, 40))]
-            sched.add(head + tail, rng.randrange(1, 60))
-        sched.step()
-        check_pools(sched)
-    sched.run_until_done(2000)
-    check_pools(sched)
+    sched = random_workload(cache, seed, 260, "fcfs", max_running=4, max_new=60)
     assert sched.stats.draft_trees > 100
     assert sched.drafts.held_tokens() == 0
     assert_bitwise(sched.finished)
