@@ -1,10 +1,11 @@
 """StorageConfig: the storage tier's section of ``TieredKVConfig`` (frozen, validated).
 
-``storage_backend`` chooses the store: ``local`` (the embedded store under ``storage_path``, in
-the ``storage_layout``), ``redis`` (``RedisStorage`` on a shared server), or any
-``module.path:ClassName`` implementing the storage contract; ``storage_options`` are that
-backend's own keyword options (e.g. ``{"url": "redis://10.0.0.5:6379/0"}``), and
-``storage_local_copy`` keeps a local store in front of a remote backend (``LayeredStorage``).
+``storage_backend`` chooses the store: ``lmdb`` (the default: the embedded store under
+``storage_path``, in the ``storage_layout``; ``local`` is the same), ``redis`` (``RedisStorage``
+on a shared server), or any ``module.path:ClassName`` implementing the storage contract;
+``storage_options`` are that backend's own keyword options (e.g. ``{"url":
+"redis://10.0.0.5:6379/0"}``), and ``storage_local_copy`` keeps a local store in front of a
+remote backend (``LayeredStorage``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 from tiered_kv._config_checks import _choice, _ints, _is_int, _need
 from tiered_kv.names import StorageLayout
 
-BACKENDS = ("local", "redis")  # or "module.path:ClassName"
+EMBEDDED = ("lmdb", "local")  # the embedded store: one backend, two names
+BACKENDS = (*EMBEDDED, "redis")  # or "module.path:ClassName"
+BACKEND_HINT = "lmdb (the embedded default), redis or module.path:ClassName"
+
+
+def is_embedded(name: str) -> bool:
+    return name in EMBEDDED
 
 
 def backend_ok(name: object) -> bool:
@@ -42,7 +49,7 @@ class StorageConfig:
     rank: str | None = None  # the parallel rank, where ranks hold different bytes
     storage_batch_pages: int = 32
     storage_layout: str = "slab"  # StorageLayout: where page bytes live on disk (local)
-    storage_backend: str = "local"  # local, redis or module.path:ClassName
+    storage_backend: str = "lmdb"  # BACKEND_HINT
     storage_options: Mapping[str, object] | None = None  # the backend's own keyword options
     # a remote backend with a local store (under storage_path) in front: LayeredStorage
     storage_local_copy: bool = False
@@ -54,14 +61,14 @@ class StorageConfig:
         _ints(self, ("storage_bytes",), minimum=0)
         _ints(self, ("storage_batch_pages",))
         b = self.storage_backend
-        _need(backend_ok(b), self, "storage_backend", "local, redis or module.path:ClassName")
+        _need(backend_ok(b), self, "storage_backend", BACKEND_HINT)
         o = self.storage_options
         ok = o is None or (isinstance(o, Mapping) and all(isinstance(k, str) for k in o))
         _need(ok, self, "storage_options", "None or a mapping of option names to values")
         lc = self.storage_local_copy
         _need(isinstance(lc, bool), self, "storage_local_copy", "True or False")
-        _need(not lc or b != "local", self, "storage_local_copy", "False with the local backend")
-        if self.storage_bytes and (b == "local" or lc):
+        _need(not lc or not is_embedded(b), self, "storage_local_copy", f"False with {b!r}")
+        if self.storage_bytes and (is_embedded(b) or lc):
             ok = self.storage_path is not None
             _need(ok, self, "storage_path", "a directory for the local store (storage_bytes > 0)")
         _need(

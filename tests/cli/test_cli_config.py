@@ -117,6 +117,26 @@ def test_booleans(tmp_path):
     assert bench.no_storage is True
 
 
+def test_backend_options_as_a_toml_table(tmp_path, capsys):
+    """``storage-options`` is a table in the file and one JSON object on the command line."""
+    text = (
+        '[run]\nstorage-backend = "redis"\nstorage-local-copy = true\n'
+        'storage-options = { url = "redis://10.0.0.5:6379/1", timeout_s = 0.5 }\n'
+    )
+    cfg = _toml(tmp_path, text)
+    args = parse(["run", "--config", cfg])
+    assert args.storage_backend == "redis" and args.storage_local_copy is True
+    assert args.storage_options == {"url": "redis://10.0.0.5:6379/1", "timeout_s": 0.5}
+    flag = parse(["run", "--config", cfg, "--storage-options", '{"url": "redis://h:1/0"}'])
+    assert flag.storage_options == {"url": "redis://h:1/0"}  # the flag wins
+    assert parse(["run-reference", "--config", cfg]).storage_options is None  # [run] only
+    top = _toml(tmp_path, '[storage-options]\nurl = "redis://h:2/0"\n[run]\nusers = 2\n', "o.toml")
+    assert parse(["run-reference", "--config", top]).storage_options == {"url": "redis://h:2/0"}
+    with pytest.raises(SystemExit):  # a table where a flag takes a plain value
+        parse(["run", "--config", _toml(tmp_path, "[run]\nusers = { a = 1 }\n", "t.toml")])
+    assert "expected a value like the flag's, not dict" in capsys.readouterr().err
+
+
 def test_lists_for_comma_separated_flags(tmp_path):
     cfg = _toml(
         tmp_path,

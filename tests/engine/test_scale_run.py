@@ -146,3 +146,37 @@ def test_run_cli_writes_json(tmp_path, capsys):
         main(["run", "--chunk-tokens", "100", "--page-size", "64"])
     assert exc.value.code == 2
     assert "chunk_tokens=100" in capsys.readouterr().err
+
+
+def test_two_runs_share_a_redis_store(tmp_path):
+    """``tiered-kv run --storage-backend redis``: two runs (two caches, as on two nodes) on one
+    redis-server. The second's storage hits exceed the first's (pages the first computed),
+    every restore still verifies, and nothing is stored under the run's directory."""
+    from tests.storage.redis_server import RedisServer
+
+    server = RedisServer()
+    try:
+        opts = {"url": server.url}
+        cfg = ScaleConfig(SMALL_LLAMA, **TINY, storage_backend="redis", storage_options=opts)
+        first = run_mode(cfg, "tiered", str(tmp_path / "a"))
+        second = run_mode(cfg, "tiered", str(tmp_path / "b"))
+    finally:
+        server.stop()
+    for m in (first, second):
+        assert m["verification"]["mismatched_tokens"] == 0
+        assert m["verification"]["checksum_failures"] == 0
+    assert second["hits"]["storage"] > first["hits"]["storage"]
+    assert second["computed_tokens"] < first["computed_tokens"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_run_cli_storage_backend_flags(tmp_path, capsys):
+    for argv, needle in (
+        (["--storage-backend", "s3"], "--storage-backend 's3'"),
+        (["--storage-options", "[1]"], "not a JSON object"),
+        (["--storage-local-copy"], "storage_local_copy"),  # with the embedded store
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "--store-dir", str(tmp_path), *argv])
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from tiered_kv import platform
+from tiered_kv.storage_config import BACKEND_HINT, StorageConfig, backend_ok
 
 
 def _int_at_least(minimum: int):
@@ -74,3 +75,30 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
     return value
+
+
+def add_storage_backend_arguments(group) -> None:
+    """``--storage-backend``, ``--storage-options`` and ``--storage-local-copy`` on ``group``."""
+    group.add_argument(
+        "--storage-backend",
+        default=StorageConfig.storage_backend,
+        help=f"the storage tier: {BACKEND_HINT}",
+    )
+    group.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        help='the backend\'s own options as one JSON object, e.g. {"url": "redis://host:6379/0"}',
+    )
+    group.add_argument(
+        "--storage-local-copy",
+        action="store_true",
+        help="keep a local store in front of a remote backend (a node's hot pages survive "
+        "restarts and outages of the shared store)",
+    )
+
+
+def check_storage_backend(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse a malformed ``--storage-backend`` (an unimportable one fails when opened)."""
+    if not backend_ok(args.storage_backend):
+        parser.error(f"--storage-backend {args.storage_backend!r}: use {BACKEND_HINT}")

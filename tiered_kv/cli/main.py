@@ -25,6 +25,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
+from tiered_kv.cli.args import json_object
 
 COMMANDS = {"run": scale_cmd, "run-reference": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
 
@@ -68,7 +69,11 @@ def _config_defaults(
     def fail(message: str) -> None:
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: {message}\n")
 
-    tables = [k for k, v in data.items() if isinstance(v, dict)]
+    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}  # noqa: SLF001
+    # A table is a command's section, unless it is named like an option (storage-options).
+    tables = [
+        k for k, v in data.items() if isinstance(v, dict) and k.replace("-", "_") not in known
+    ]
     # A table is named like its command, with `-` or `_` (as the keys are): one per command.
     by_command: dict[str, str] = {}
     for name in tables:
@@ -81,7 +86,6 @@ def _config_defaults(
     section = {k: v for k, v in data.items() if k not in tables}
     if command in by_command:
         section.update(data[by_command[command]])
-    known = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}  # noqa: SLF001
     out = {}
     for key, value in section.items():
         dest = key.replace("-", "_")
@@ -93,6 +97,9 @@ def _config_defaults(
             if not isinstance(value, bool):
                 fail(f"{key}={value!r}: must be true or false")
             out[dest] = action.const if value else action.default
+            continue
+        if isinstance(value, dict) and action.type is json_object:  # a backend's options table
+            out[dest] = value
             continue
         if isinstance(value, list):  # comma-separated flags: ["lru", "lfu"] or [0.1, 0.5]
             value = ",".join(map(str, value))

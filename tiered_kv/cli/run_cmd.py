@@ -22,7 +22,13 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from tiered_kv.cache import TieredKVCache
-from tiered_kv.cli.args import default_cache_dir, json_object, non_negative_int, positive_int
+from tiered_kv.cli.args import (
+    add_storage_backend_arguments,
+    check_storage_backend,
+    default_cache_dir,
+    non_negative_int,
+    positive_int,
+)
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.config import StorageConfig, TieredKVConfig
 from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
@@ -39,7 +45,6 @@ from tiered_kv.names import (
     StorageLayout,
     WritePolicy,
 )
-from tiered_kv.storage_config import backend_ok
 
 HELP = "tiny reference models, real compute: serve with offload, verify the logits bitwise"
 REL_TOLERANCE = 1e-6
@@ -88,17 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="lmdb: page bytes inside LMDB's map; slab: LMDB holds the index, page bytes in a "
         "preallocated file per namespace (a store directory holds one layout)",
     )
-    c.add_argument(
-        "--storage-backend",
-        default=StorageConfig.storage_backend,
-        help="local (the --store directory), redis, or module.path:ClassName",
-    )
-    c.add_argument(
-        "--storage-options",
-        type=json_object,
-        default=None,
-        help='the backend\'s own options as one JSON object, e.g. {"url": "redis://host:6379/0"}',
-    )
+    add_storage_backend_arguments(c)
     c.add_argument("--fresh", action="store_true", help="empty the store first")
     c.add_argument(
         "--host-layout",
@@ -124,10 +119,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             f"--head-dim {args.head_dim} must be a multiple of 4 with --attention {args.attention} "
             "(its rope dim, head-dim / 2, must be even)"
         )
-    if not backend_ok(args.storage_backend):
-        parser.error(
-            f"--storage-backend {args.storage_backend!r}: use local, redis or module.path:ClassName"
-        )
+    check_storage_backend(args, parser)
     ps = args.page_size
     if ps & (ps - 1):
         parser.error(f"--page-size {ps} must be a power of two")
@@ -236,6 +228,7 @@ def main(args: argparse.Namespace) -> int:
         storage_layout=args.storage_layout,
         storage_backend=args.storage_backend,
         storage_options=args.storage_options,
+        storage_local_copy=args.storage_local_copy,
         host_layout=args.host_layout,
         device_policy=args.device_policy,
         host_policy=args.host_policy,

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 
-from tiered_kv.cli.args import positive_int
+from tiered_kv.cli.args import add_storage_backend_arguments, check_storage_backend, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.engine.cost_model import COST_MODELS
 from tiered_kv.engine.presets import PRESETS
@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--device-fraction", type=_positive_float, default=_D.device_fraction)
     c.add_argument("--host-fraction", type=_positive_float, default=_D.host_fraction)
     c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
+    add_storage_backend_arguments(c)
     m = p.add_argument_group("modeled time")
     by_preset = ", ".join(f"{p} {c}" for p, c in PRESET_COST_MODELS.items())
     m.add_argument(
@@ -91,6 +92,7 @@ def config_of(args: argparse.Namespace) -> ScaleConfig:
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    check_storage_backend(args, parser)
     try:
         config_of(args)
     except InvalidArgumentError as exc:

@@ -61,6 +61,8 @@ def run_mode(
         storage_path=store_dir if tiered else None, model_id=f"{p.name}@synthetic",
         max_requests=cfg.max_running, max_context_len=s.longest_tokens + 2 * ps,
         prefetch_policy="wait_complete", prefetch_threshold=ps,
+        storage_backend=cfg.storage_backend, storage_options=cfg.storage_options,
+        storage_local_copy=cfg.storage_local_copy and tiered,
     )  # fmt: skip
     cache = TieredKVCache(config)
     t0 = time.perf_counter()

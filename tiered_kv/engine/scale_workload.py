@@ -17,6 +17,7 @@ disk all of it with room to spare. Bytes per token are the preset's (Llama-3-8B:
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from tiered_kv.engine.presets import ModelPreset, bytes_per_token, preset
 from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LinkModel
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
+from tiered_kv.storage_config import StorageConfig
 
 PRESET_COST_MODELS = {
     "llama-3-8b": "h100-llama-3-8b",
@@ -58,6 +60,11 @@ class ScaleConfig:
     links: LinkModel = LinkModel()
     seed: int = 0
     store_dir: str | None = None  # the store goes in a fresh temporary directory under it
+    # the tiered mode's storage tier (StorageConfig's fields): a remote backend is shared with
+    # other runs and nodes, so its pages can be storage hits from the first turn
+    storage_backend: str = StorageConfig.storage_backend
+    storage_options: Mapping[str, object] | None = None
+    storage_local_copy: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -80,6 +87,10 @@ class ScaleConfig:
                 "attention only (mha, mla, dsa presets such as llama-3-8b or deepseek-v3)"
             )
         _ = self.cost  # an unknown name raises, listing the valid ones
+        StorageConfig(  # the backend's fields, checked as the cache will check them
+            storage_bytes=1, storage_path=".", storage_backend=self.storage_backend,
+            storage_options=self.storage_options, storage_local_copy=self.storage_local_copy,
+        )  # fmt: skip
 
     @property
     def model_preset(self) -> ModelPreset:

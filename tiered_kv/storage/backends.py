@@ -1,12 +1,12 @@
 """open_backend: the page store a ``StorageConfig`` names, opened for one namespace.
 
-``local`` is the embedded store under the storage directory (``layouts.open_store``, in the
-configured layout); ``redis`` is ``RedisStorage`` on the server its options name; any other
-``module.path:ClassName`` is imported and must be a ``PageStorage`` subclass taking
-``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. With
+``lmdb`` (or ``local``) is the embedded store under the storage directory
+(``layouts.open_store``, in the configured layout); ``redis`` is ``RedisStorage`` on the server
+its options name; any other ``module.path:ClassName`` is imported and must be a ``PageStorage``
+subclass taking ``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. With
 ``storage_local_copy`` the remote store gets a local one in front (``LayeredStorage``). A
-backend that cannot be imported or built is a ``StorageOpenError`` naming it, raised before
-the cache is built.
+backend that cannot be imported or built is a ``StorageOpenError`` naming it, raised before the
+cache is built.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tiered_kv.storage.contract import PageStorage
 from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.layered_store import LayeredStorage
 from tiered_kv.storage.layouts import open_store
-from tiered_kv.storage_config import StorageConfig
+from tiered_kv.storage_config import BACKEND_HINT, StorageConfig, is_embedded
 
 
 def backend_class(name: str) -> type[PageStorage]:
@@ -34,7 +34,7 @@ def backend_class(name: str) -> type[PageStorage]:
     except (ImportError, AttributeError) as exc:
         raise StorageOpenError(
             f"storage_backend={name!r} cannot be loaded ({type(exc).__name__}: {exc}); give "
-            "local, redis, or an importable module.path:ClassName"
+            f"{BACKEND_HINT} (importable)"
         ) from None
     if not (isinstance(cls, type) and issubclass(cls, PageStorage)):
         raise StorageOpenError(
@@ -50,7 +50,7 @@ def open_backend(
     page_nbytes: int,
 ) -> PageStorage:
     """The store ``s`` configures, for ``namespace``'s pages of ``page_nbytes``."""
-    if s.storage_backend == "local":
+    if is_embedded(s.storage_backend):
         return _local(s, path, namespace, page_nbytes)
     cls = backend_class(s.storage_backend)
     options = dict(s.storage_options or {})
