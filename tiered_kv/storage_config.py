@@ -2,7 +2,8 @@
 
 ``storage_backend`` chooses the store: ``lmdb`` (the default: the embedded store under
 ``storage_path``, in the ``storage_layout``; ``local`` is the same), ``redis`` (``RedisStorage``
-on a shared server), or any ``module.path:ClassName`` implementing the storage contract;
+on a shared server), ``mooncake`` (``MooncakeStorage`` on a Mooncake Store), or any
+``module.path:ClassName`` implementing the storage contract;
 ``storage_options`` are that backend's own keyword options (e.g. ``{"url":
 "redis://10.0.0.5:6379/0"}``), and ``storage_local_copy`` keeps a local store in front of a
 remote backend (``LayeredStorage``).
@@ -18,8 +19,8 @@ from tiered_kv._config_checks import _choice, _ints, _is_int, _need
 from tiered_kv.names import StorageLayout
 
 EMBEDDED = ("lmdb", "local")  # the embedded store: one backend, two names
-BACKENDS = (*EMBEDDED, "redis")  # or "module.path:ClassName"
-BACKEND_HINT = "lmdb (the embedded default), redis or module.path:ClassName"
+BACKENDS = (*EMBEDDED, "redis", "mooncake")  # or "module.path:ClassName"
+BACKEND_HINT = "lmdb (the embedded default), redis, mooncake or module.path:ClassName"
 
 
 def is_embedded(name: str) -> bool:

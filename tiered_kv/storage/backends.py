@@ -2,8 +2,10 @@
 
 ``lmdb`` (or ``local``) is the embedded store under the storage directory
 (``layouts.open_store``, in the configured layout); ``redis`` is ``RedisStorage`` on the server
-its options name; any other ``module.path:ClassName`` is imported and must be a ``PageStorage``
-subclass taking ``(namespace, page_nbytes, *, budget_bytes=..., **storage_options)``. With
+its options name, ``mooncake`` ``MooncakeStorage`` on the Mooncake master they name (both
+imported only when chosen); any other ``module.path:ClassName`` is imported and must be a
+``PageStorage`` subclass taking ``(namespace, page_nbytes, *, budget_bytes=...,
+**storage_options)``. With
 ``storage_local_copy`` the remote store gets a local one in front (``LayeredStorage``). A
 backend that cannot be imported or built is a ``StorageOpenError`` naming it, raised before the
 cache is built.
@@ -23,11 +25,15 @@ from tiered_kv.storage_config import BACKEND_HINT, StorageConfig, is_embedded
 
 
 def backend_class(name: str) -> type[PageStorage]:
-    """The class of a ``module.path:ClassName`` backend (or ``redis``)."""
+    """The class of a ``module.path:ClassName`` backend (or ``redis``, ``mooncake``)."""
     if name == "redis":
         from tiered_kv.storage.redis_store import RedisStorage
 
         return RedisStorage
+    if name == "mooncake":
+        from tiered_kv.storage.mooncake_store import MooncakeStorage
+
+        return MooncakeStorage
     module, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)
