@@ -1,5 +1,7 @@
 """tiered_kv: a tiered KV-cache store for LLM serving (device, pinned host and LMDB tiers)."""
 
+import logging
+
 from tiered_kv.errors import (
     BackendUnavailableError,
     HostMemoryError,
@@ -14,6 +16,10 @@ from tiered_kv.errors import (
 )
 
 __version__ = "0.1.0"
+
+# Loggers are per module (tiered_kv.cache.eviction, tiered_kv.storage.guarded_store, ...); the
+# library never configures handlers, an application does (tiered-kv --log-level).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "BackendUnavailableError",

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.cache.test_metrics import scrape
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
@@ -856,10 +857,11 @@ def test_stats_consistent_with_request_hits(make_cache, gen):
     }
     occ = st["occupancy"]
     assert 0 < occ["device_tokens"] <= 64 and 0 < occ["host_tokens"] <= 160
-    text = cache.prometheus()
-    assert f'tiered_kv_hits_tokens_total{{tier="storage"}} {hits["storage"]}' in text
-    assert f'tiered_kv_hits_tokens_total{{tier="device"}} {hits["device"]}' in text
-    assert f"tiered_kv_requests {len(served)}" in text
+    got = scrape(cache.prometheus())
+    sources = got["tiered_kv_prompt_tokens_total"]
+    assert sources[(("source", "storage"),)] == hits["storage"]
+    assert sources[(("source", "device"),)] == hits["device"]
+    assert got["tiered_kv_requests_total"][()] == len(served)
     assert_no_leak(cache)
 
 

@@ -9,6 +9,7 @@ import shutil
 import lmdb
 
 from tests.cache.test_facade import aligned, assert_no_leak, make_prompts, stored_then_cleared
+from tests.cache.test_metrics import scrape
 
 
 def test_removed_directory_is_reopened_and_serves_storage_hits_again(make_cache, gen):
@@ -55,6 +56,7 @@ def test_a_store_that_keeps_failing_is_turned_off_and_serving_goes_on(make_cache
     st = cache.stats()["storage"]
     assert st["turned_off"] == 1 and st["off"] == 1 and st["reopens"] == 1
     assert st["skipped_while_off"] > 0 and st["errors"] >= 2 * store.fail_limit
-    text = cache.prometheus()
-    assert "tiered_kv_storage_turned_off 1" in text and "tiered_kv_storage_off 1" in text
+    got = scrape(cache.prometheus())
+    assert got["tiered_kv_storage_turned_off_total"][()] == 1
+    assert got["tiered_kv_storage_off"][()] == 1
     assert_no_leak(cache)

@@ -7,10 +7,13 @@ tree (when nothing there is locked or copying); one eviction's device frees are 
 through the allocator's free group. Host: under ``write_back`` a victim not yet in
 storage is backed up first (waiting for the backup); a victim still on the device only loses its
 host copy, a host-only leaf leaves the tree. Under ``write_through`` host-only nodes go before
-the host copies of device-resident ones, so the tiers stay inclusive while they can.
+the host copies of device-resident ones, so the tiers stay inclusive while they can. Each
+eviction pass is one DEBUG record (tokens and nodes freed, tokens asked), never one per node.
 """
 
 from __future__ import annotations
+
+import logging
 
 from tiered_kv.cache.interfaces import DeviceSlots, HostSlots, JobBook, Snapshots
 from tiered_kv.cache.metrics import CacheMetrics
@@ -19,6 +22,8 @@ from tiered_kv.names import PendingKind, Tier, WritePolicy
 from tiered_kv.tree.node import TreeNode, walk
 from tiered_kv.tree.tiered_tree import TieredTree
 from tiered_kv.tree.victims import victims
+
+log = logging.getLogger(__name__)
 
 
 def _open_group(device: DeviceSlots) -> bool:
@@ -32,6 +37,18 @@ def _open_group(device: DeviceSlots) -> bool:
     except StateError:
         return False
     return True
+
+
+def _summary(tier: Tier, asked: int, freed: int, nodes: int) -> None:
+    if freed < asked or nodes:
+        log.debug(
+            "%s eviction: %d tokens (%d nodes) freed, %d asked%s",
+            tier.value,
+            freed,
+            nodes,
+            asked,
+            "" if freed >= asked else " (nothing more could leave)",
+        )
 
 
 class Evictor:
@@ -57,6 +74,7 @@ class Evictor:
         """Free at least ``num_tokens`` device slots if unlocked nodes allow; returns freed."""
         self.book.poll()
         freed, queue = 0, victims(self.tree, Tier.DEVICE)
+        nodes = self.metrics.device.evicted_nodes
         # The victims' slots go back in one release (the seed's free group): one concatenation
         # and one free-list merge for the whole eviction, not one per node.
         group = _open_group(self.device)
@@ -69,6 +87,7 @@ class Evictor:
         finally:
             if group:
                 self.device.free_group_end()
+        _summary(Tier.DEVICE, num_tokens, freed, self.metrics.device.evicted_nodes - nodes)
         return freed
 
     def _device_one(self, n: TreeNode) -> int:
@@ -109,11 +128,13 @@ class Evictor:
                 return 1 if n.on_device else 0
 
         freed, queue = 0, victims(self.tree, Tier.HOST, rank)
+        nodes = self.metrics.host.evicted_nodes
         while freed < num_tokens:
             node = next(queue, None)
             if node is None:
                 break
             freed += self._host_one(node)
+        _summary(Tier.HOST, num_tokens, freed, self.metrics.host.evicted_nodes - nodes)
         return freed
 
     def _host_one(self, n: TreeNode) -> int:

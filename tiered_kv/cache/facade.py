@@ -21,10 +21,11 @@ import functools
 import threading
 
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tiered_kv.cache import lifecycle
 from tiered_kv.cache.build import build_cache_parts
-from tiered_kv.cache.metrics import prometheus_text, store_stats
+from tiered_kv.cache.prom import cache_registry, register_cache
 from tiered_kv.cache.request import Request, check_rows_free, prompt_ids, token_ids
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
@@ -46,12 +47,13 @@ def _serialized(method):
 
 
 class TieredKVCache:
-    def __init__(self, config: TieredKVConfig) -> None:
+    def __init__(self, config: TieredKVConfig, registry: CollectorRegistry | None = None) -> None:
         if not isinstance(config, TieredKVConfig):
             raise InvalidArgumentError(
                 f"config must be a TieredKVConfig, got {type(config).__name__}"
             )
         self.config = config
+        self.registry, transfers = cache_registry(registry)  # refused before anything is built
         parts = build_cache_parts(config)
         self.device_pool = parts.device_pool
         self.allocator = parts.allocator
@@ -64,10 +66,10 @@ class TieredKVCache:
         self.states = parts.states  # a hybrid model's recurrent-state snapshots (or None)
         self.tree = parts.manager.tree
         self.metrics = parts.manager.metrics
-        self.hits = self.metrics.hits
         self._closed = False
         self._lock = threading.RLock()
         self._initial = self.free_sizes()
+        register_cache(self, transfers)  # its jobs to the histograms, its counters when scraped
 
     # -- request lifecycle --------------------------------------------------------------------
     @_serialized
@@ -77,7 +79,7 @@ class TieredKVCache:
         layer), lock that prefix and give the request a row."""
         self._check_open()
         req = self._begin_one(self._prompt(tokens))
-        self.hits.add(req.hits)
+        self.metrics.hits.add(req.hits)
         if self.device_host is not None:
             # The layer waits follow this request: its own load, the one in flight its prefix
             # shares, or none (not an earlier request's, failed or not); an earlier-begun
@@ -121,7 +123,7 @@ class TieredKVCache:
                         self.abort(r)
             raise
         for r in reqs:
-            self.hits.add(r.hits)
+            self.metrics.hits.add(r.hits)
         self._follow(reqs)
         return reqs
 
@@ -356,10 +358,8 @@ class TieredKVCache:
 
     @_serialized
     def free_sizes(self) -> dict[str, int]:
-        out = {
-            "device": self.allocator.available_size(),
-            "rows": self.req_to_token.available_size(),
-        }
+        out = {"device": self.allocator.available_size()}
+        out["rows"] = self.req_to_token.available_size()
         if self.host_pool is not None:
             out["host"] = self.host_pool.available_size()
         return out
@@ -377,12 +377,12 @@ class TieredKVCache:
 
     @_serialized
     def stats(self) -> dict:
-        occupancy = {"device_tokens": self.tree.device_tokens, "host_tokens": self.tree.host_tokens}
-        return self.metrics.render(store_stats(self.storage), occupancy)
+        return self.metrics.render(self.storage, self.tree)
 
     @_serialized
     def prometheus(self) -> str:
-        return prometheus_text(self.stats())
+        """The Prometheus text exposition of ``self.registry`` (see ``cache.prom``)."""
+        return generate_latest(self.registry).decode()
 
     @_serialized
     def close(self) -> None:

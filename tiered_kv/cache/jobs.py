@@ -3,20 +3,26 @@
 Each job is recorded with the tree node it locks (or protects) and a completion handler; the
 table hands out job ids, submits storage jobs so that a refusal or a raising worker becomes a
 failed result (a counted storage error, never an exception on the serving path), and delivers
-each result from the workers' ``poll`` exactly once to its handler.
+each result from the workers' ``poll`` exactly once to its handler. Each job a worker ran or
+refused is shown once to ``observe`` (the cache's transfer histograms); a storage error is
+counted, and logged at WARNING once per kind a minute (a dead store fails every call).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiered_kv.cache.interfaces import TransferWorker
 from tiered_kv.cache.metrics import CacheMetrics
+from tiered_kv.log_limit import LogLimiter
 from tiered_kv.names import Direction, JobId, PendingKind
 from tiered_kv.transfer.base import TransferJob, TransferResult
 from tiered_kv.tree.node import TreeNode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +44,10 @@ class JobTable:
         self.metrics = metrics
         self._ids = itertools.count(1)
         self._jobs: dict[JobId, Job] = {}
+        # Sees each worker job's result once (a merged batch once, not per part); the cache
+        # sets it to its transfer histograms.
+        self.observe: Callable[[TransferResult], None] | None = None
+        self._errors = LogLimiter(log)
 
     def new(
         self,
@@ -52,7 +62,10 @@ class JobTable:
 
     def fail(self, job_id: JobId, direction: Direction, error: str | None) -> None:
         """Deliver a failed result for a job its worker refused."""
-        self.deliver(TransferResult(job_id, direction, False, 0, 0.0, error=error))
+        result = TransferResult(job_id, direction, False, 0, 0.0, error=error)
+        if self.observe is not None:
+            self.observe(result)
+        self.deliver(result)
 
     def submit_storage(self, job: TransferJob) -> bool:
         """Submit a storage job; a refusal or a worker that raises is a failed result."""
@@ -68,8 +81,15 @@ class JobTable:
     def deliver(self, result: TransferResult) -> None:
         job = self._jobs.pop(result.job_id)
         if result.error is not None:
-            self.metrics.storage_errors += 1
+            self.storage_error(str(result.direction), result.error)
         job.on_done(job, result)
+
+    def storage_error(self, what: str, error: str) -> None:
+        """Count one failed storage call or job (``what``: the call or the job's direction,
+        ``error``: ``ExceptionType: message``) and log it, rate-limited per kind."""
+        self.metrics.storage_errors += 1
+        kind = f"{what}: {error.partition(':')[0]}"
+        self._errors.log(logging.WARNING, kind, "storage %s failed: %s", what, error)
 
     def poll(self, between: Callable[[], None] | None = None) -> None:
         """Deliver every finished job (never blocks): device <-> host first, then storage, so
@@ -80,6 +100,8 @@ class JobTable:
                 between()
             if worker is not None:
                 for result in worker.poll():
+                    if self.observe is not None:
+                        self.observe(result)
                     self.deliver(result)
 
     def wait_all(self, timeout_s: float | None = None) -> bool:

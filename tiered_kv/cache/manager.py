@@ -188,8 +188,8 @@ class CacheManager:
         counted error and a miss."""
         try:
             return self.store.batch_exists(keys)
-        except Exception:  # noqa: BLE001 - storage trouble is a miss, never an error
-            self.metrics.storage_errors += 1
+        except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
+            self.jobs.storage_error("probe", f"{type(exc).__name__}: {exc}")
             return 0
 
     def _selective_writes(self, path: list[TreeNode], last_dev: TreeNode, last: TreeNode) -> None:

@@ -1,5 +1,6 @@
 """Cache metrics: one stats tree (hits per tier and missed, evictions per tier, storage errors,
-transfers per direction), rendered as the ``stats()`` dict and as Prometheus text exposition.
+transfers per direction), rendered as the ``stats()`` dict (``cache.prom`` exposes the same
+counters to Prometheus).
 
 Everything the cache counts lives in one :class:`CacheMetrics`; storage errors are counted in
 one place (the manager, for probes and failed storage jobs) plus what the store absorbs itself.
@@ -7,8 +8,6 @@ one place (the manager, for probes and failed storage jobs) plus what the store 
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import asdict, dataclass, field
 
 from tiered_kv.names import Tier
@@ -93,8 +92,10 @@ class CacheMetrics:
     storage_errors: int = 0  # failed probes, refused and failed storage jobs
     transfer: TransferStats = field(default_factory=TransferStats)
 
-    def render(self, store, occupancy: dict[str, int]) -> dict:
-        """The ``stats()`` dict. ``store``: the page store's own ``StorageStats`` or None."""
+    def render(self, store, tree) -> dict:
+        """The ``stats()`` dict. ``store``: the page store or None (its own counters are read
+        with ``store_stats``); ``tree``: the cache's tree (its tokens per tier: occupancy)."""
+        occupancy = {"device_tokens": tree.device_tokens, "host_tokens": tree.host_tokens}
         transfer = {
             d: {
                 "bytes": s.bytes,
@@ -105,7 +106,7 @@ class CacheMetrics:
             }
             for d, s in self.transfer.snapshot().items()
         }
-        h, dc, hc, st = self.hits, self.device, self.host, store
+        h, dc, hc, st = self.hits, self.device, self.host, store_stats(store)
         return {
             "requests": h.requests,
             "hits": {
@@ -145,77 +146,6 @@ class CacheMetrics:
             "state": as_dict(self.state),
             "occupancy": dict(occupancy),
         }
-
-
-# Cumulative values (Prometheus counters); everything else is a gauge. ``transfer`` holds a
-# rate (gbps) besides its counters.
-_COUNTER_GROUPS = {"requests", "hits", "transfer", "evictions", "window", "state"}
-_GAUGE_KEYS = {"gbps"}
-_COUNTER_KEYS = {"checksum_failures", "errors", "reopens", "turned_off", "skipped_while_off"}
-_BAD_NAME = re.compile(r"[^a-zA-Z0-9_:]")
-
-
-def _metric_name(name: str) -> str:
-    name = _BAD_NAME.sub("_", name)
-    return name if not name[:1].isdigit() else f"_{name}"
-
-
-def _label_value(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _sample_value(value: float) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-        return repr(value)
-    return str(int(value))
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def prometheus_text(stats: dict, prefix: str = "tiered_kv") -> str:
-    """Prometheus text format (0.0.4) of the numeric leaves of ``stats`` (nested dicts are
-    flattened into labels: ``{"transfer": {"host_to_device": {"bytes": 1}}}`` becomes
-    ``tiered_kv_transfer_bytes{direction="host_to_device"} 1``). Each family gets one
-    ``# TYPE`` line followed by all its samples; cumulative values are counters."""
-    families: dict[str, tuple[bool, list[str]]] = {}
-
-    def emit(name: str, labels: dict[str, str], value: float, counter: bool) -> None:
-        metric = _metric_name(f"{prefix}_{name}")
-        label = ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items())
-        sample = f"{metric}{{{label}}}" if label else metric
-        _, samples = families.setdefault(metric, (counter, []))
-        samples.append(f"{sample} {_sample_value(value)}")
-
-    label_of = {"hits": "tier", "transfer": "direction", "evictions": "tier"}
-    for group, body in stats.items():
-        in_counter_group = group in _COUNTER_GROUPS
-        if isinstance(body, dict) and group in label_of:
-            for sub, values in body.items():
-                if isinstance(values, dict):
-                    for k, v in values.items():
-                        if _is_number(v):
-                            counter = in_counter_group and k not in _GAUGE_KEYS
-                            emit(f"{group}_{k}", {label_of[group]: sub}, v, counter)
-                elif _is_number(values):
-                    emit(f"{group}_tokens_total", {label_of[group]: sub}, values, True)
-        elif isinstance(body, dict):
-            for k, v in body.items():
-                if _is_number(v):
-                    counter = (in_counter_group or k in _COUNTER_KEYS) and k not in _GAUGE_KEYS
-                    emit(f"{group}_{k}", {}, v, counter)
-        elif _is_number(body):
-            emit(group, {}, body, in_counter_group)
-    lines: list[str] = []
-    for metric, (counter, samples) in families.items():
-        lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
-        lines.extend(samples)
-    return "".join(f"{line}\n" for line in lines)
 
 
 def store_stats(store):

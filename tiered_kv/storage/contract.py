@@ -3,11 +3,14 @@
 A store keeps whole host pages under :mod:`keys` keys. Every method is batched; nothing raises
 into the caller for disk or memory trouble (those become per-key failures and counted events);
 bad arguments raise :class:`~tiered_kv.errors.InvalidArgumentError` before anything changes.
+Each counted error is logged at WARNING, once per kind a minute in this process
+(``ERROR_LOG``): a dead store fails every call, and its log must not grow with them.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,7 +19,11 @@ import numpy as np
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.log_limit import LogLimiter
 from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
+
+log = logging.getLogger(__name__)
+ERROR_LOG = LogLimiter(log)  # every store's counted errors, by kind (call: exception type)
 
 
 class PageSource(Protocol):
@@ -78,7 +85,9 @@ class StorageStats:
     off: bool = False
 
     def count_error(self, what: str) -> None:
+        """Count (and log, rate-limited) one error of kind ``what``."""
         self.errors[what] = self.errors.get(what, 0) + 1
+        ERROR_LOG.log(logging.WARNING, what, "storage error: %s (a counted miss)", what)
 
     def snapshot(self) -> StorageStats:
         """An independent copy (what ``stats()`` hands out)."""

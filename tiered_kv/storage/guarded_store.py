@@ -18,7 +18,8 @@ a failing call per batch for ever. The guard wraps a store and an opener:
 A reopen never closes a store under a call in flight: calls hold a shared gate, a reopen takes it
 exclusively, and a reopen that cannot have the gate within ``drain_s`` (a call stuck in a hung
 store) turns the store off without closing it. The guard's own events are in ``stats()``:
-``reopens``, ``turned_off``, ``skipped_while_off``, and ``off`` (whether it is off now).
+``reopens``, ``turned_off``, ``skipped_while_off``, and ``off`` (whether it is off now). Opening
+and closing are logged at INFO, a call that raised at WARNING (once per kind a minute).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.log_limit import LogLimiter
 from tiered_kv.storage.contract import PageSource, PageStorage, StorageStats
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class GuardedStorage(PageStorage):
         self._carried = StorageStats()  # the counters of the stores reopened so far
         self._own_errors: dict[str, int] = {}  # errors the guard saw (calls that raised)
         self._closed = False
+        self._raised = LogLimiter(log)
+        log.info("storage opened: %s", _describe(store, self._last))
 
     @property
     def inner(self) -> PageStorage | None:
@@ -216,8 +220,10 @@ class GuardedStorage(PageStorage):
             except InvalidArgumentError:
                 raise
             except Exception as exc:  # noqa: BLE001 - store trouble is a miss, never an error
-                self._count_own(f"guard: {name} raised {type(exc).__name__}")
+                kind = f"guard: {name} raised {type(exc).__name__}"
+                self._count_own(kind)
                 failed, why, result = True, f"{name} raised {type(exc).__name__}: {exc}", miss
+                self._raised.log(logging.WARNING, kind, "storage call failed: %s", why)
             else:
                 failed = not served(result) and store.error_count() > errors
                 why = f"{name} served nothing and counted an error"
@@ -305,7 +311,19 @@ class GuardedStorage(PageStorage):
             store, self._inner = self._inner, None
             self._off_until = self._off_until or float("inf")
         if store is not None:
+            try:
+                what = _describe(store, store.stats())
+            except Exception:  # noqa: BLE001 - a failing store may not report its counters
+                what = type(store).__name__
             store.close()
+            log.info("storage closed: %s", what)
+
+
+def _describe(store: PageStorage, stats: StorageStats) -> str:
+    return (
+        f"{type(store).__name__}, namespace {store.namespace.fingerprint.hex()[:12]}, "
+        f"{stats.pages} pages, {stats.bytes} of {stats.budget_bytes} bytes"
+    )
 
 
 def _any_or_empty(result) -> bool:
