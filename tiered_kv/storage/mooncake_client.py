@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import socket
 import threading
 from typing import NamedTuple
 
@@ -23,7 +24,14 @@ from tiered_kv.errors import StorageOpenError
 # The codes the store answers with that these stores tell apart (Mooncake's ErrorCode).
 OBJECT_NOT_FOUND = -704
 BUFFER_OVERFLOW = -600  # the stored value is larger than the buffers given
-CODE_NAMES = {-200: "NO_SPACE", -600: "BUFFER_OVERFLOW", -704: "OBJECT_NOT_FOUND", -900: "RPC_FAIL"}
+TRANSFER_FAIL = -800  # also what a value shorter than the buffers given gets
+CODE_NAMES = {
+    -200: "NO_SPACE",
+    -600: "BUFFER_OVERFLOW",
+    -704: "OBJECT_NOT_FOUND",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
 
 
 def code_name(code: int) -> str:
@@ -57,6 +65,7 @@ class MooncakeClient:
             ) from None
         if _is_ip(conn.local_hostname):  # the TCP transport binds 0.0.0.0 unless told
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", conn.local_hostname)
+        _reachable(conn.master)
         self.conn = conn
         self.raw = MooncakeDistributedStore()
         # No segment of its own here: each store lends what its budget says (``mount``).
@@ -127,6 +136,19 @@ class MooncakeClient:
             self._closed = True
             self.raw.close()
             self._regions.clear()
+
+
+def _reachable(master: str, timeout_s: float = 2.0) -> None:
+    """Refuse a master nobody listens on at once: the client's own setup retries for ~90 s."""
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except OSError as exc:
+        raise StorageOpenError(
+            f"no Mooncake master answers at master={master!r} ({exc}); start mooncake_master "
+            "there (`mooncake_master --rpc_port=PORT`) or give the master's host:port"
+        ) from None
 
 
 def _is_ip(host: str) -> bool:

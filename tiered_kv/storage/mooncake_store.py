@@ -38,6 +38,7 @@ from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.mooncake_client import (
     BUFFER_OVERFLOW,
     OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
     Connection,
     MooncakeClient,
     code_name,
@@ -216,6 +217,8 @@ class MooncakeStorage(PageStorage):
                 return [False] * len(keys)
             out, fp = [], self.namespace.fingerprint
             for j, (key, page, p, code) in enumerate(zip(keys, pages, where, codes, strict=True)):
+                if code == TRANSFER_FAIL and self._wrong_size(key):
+                    code = BUFFER_OVERFLOW  # a torn value: the store cannot scatter it
                 if code == OBJECT_NOT_FOUND or (code < 0 and code != BUFFER_OVERFLOW):
                     if code != OBJECT_NOT_FOUND:
                         self._failed("batch_get", code_name(code))
@@ -230,6 +233,14 @@ class MooncakeStorage(PageStorage):
                     source.set_page_bytes(page, dst[p])
                 out.append(True)
             return out
+
+    def _wrong_size(self, key: bytes) -> bool:
+        """Whether the value under ``key`` is there with a size no page of ours has."""
+        try:
+            size = self._raw.get_size(_name(key))
+        except Exception:
+            return False
+        return size >= 0 and size != _HEAD + self.page_nbytes
 
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
