@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 PIP_TORCH_ARGS ?=
 
-.PHONY: install test test-fast run lint bench clean
+.PHONY: install sglang-venv test test-fast run lint bench clean
 
 install: $(STAMP)
 
@@ -32,17 +32,40 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, triton, tiered_kv; print('installed torch', torch.__version__, 'triton', triton.__version__)"
 	touch $(STAMP)
 
+# SGLang 0.5.23's KV-memory code on CPU, in its own venv (its metadata pins another torch): the
+# tests of tiered_kv as its HiCache storage backend (tests/integrations) run there.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PEER := tools/sglang_peer
+SGLANG_TESTS := tests/integrations tests/benchmarks/test_bench_sglang_hicache.py
+
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_PEER)/requirements.txt $(SGLANG_PEER)/constraints.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet -c $(SGLANG_PEER)/constraints.txt "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(SGLANG_PY) -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install --quiet -c $(SGLANG_PEER)/constraints.txt -r $(SGLANG_PEER)/requirements.txt
+	$(SGLANG_PY) -m pip install --quiet -c $(SGLANG_PEER)/constraints.txt -e . pytest pytest-timeout hypothesis
+	PYTHONPATH=$(SGLANG_PEER)/stubs $(SGLANG_PY) -W ignore -c "import sglang.srt.managers.cache_controller, tiered_kv.integrations.sglang_hicache; print('sglang venv ready')"
+	touch $(SGLANG_STAMP)
+
 # Mooncake's clients listen on every address: pytest runs in a loopback-only network namespace
 # where one can be made (root in CI), and there the Mooncake tests must run, not skip
 # (TIERED_KV_REQUIRE_MOONCAKE=0 lets them skip elsewhere).
 TIERED_KV_REQUIRE_MOONCAKE ?= 1
 export TIERED_KV_REQUIRE_MOONCAKE
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m ruff check tiered_kv tests benchmarks
 	if unshare -n true 2>/dev/null; then \
 		unshare -n sh -c 'ip link set lo up && exec "$$@"' sh $(PY) -m pytest; \
 	else $(PY) -m pytest; fi
+	@# second stage: the SGLang integration tests, in .venv-sglang
+	if unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up && exec "$$@"' sh $(SGLANG_PY) -m pytest $(SGLANG_TESTS); \
+	else $(SGLANG_PY) -m pytest $(SGLANG_TESTS); fi
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu"
@@ -65,4 +88,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check tiered_kv tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis *.egg-info

@@ -69,6 +69,7 @@ class SGLangRig:
         tp_rank: int = 0,
         tp_size: int = 1,
         model_name: str = "tiered-kv-test@r1",
+        storage_metrics: bool = False,
     ) -> None:
         if shape.layout not in IO_BACKENDS:
             raise StateError(f"layout {shape.layout!r}: the rig runs {sorted(IO_BACKENDS)}")
@@ -116,6 +117,7 @@ class SGLangRig:
                 io_backend=IO_BACKENDS[shape.layout], storage_backend=backend,
                 prefetch_threshold=ps, model_name=model_name,
                 storage_backend_extra_config=dict(extra_config),
+                enable_storage_metrics=storage_metrics,
             )  # fmt: skip
         self.backend = self.controller.storage_backend
         self._prefetches = 0

@@ -198,12 +198,14 @@ class TieredKVHiCacheStorage(_SGLangBase):
     def _transfer(self, direction: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
             return []
-        try:
-            pages = self.pages.pages_of(host_indices, len(keys))
-        except InvalidArgumentError as exc:  # a caller's bug, but never a crash in SGLang
-            self._count_failure(f"batch_{'get' if direction == 'prefetch' else 'set'}_v1", exc)
-            return [False] * len(keys)
         call = "batch_get_v1" if direction == "prefetch" else "batch_set_v1"
+        try:
+            if self.pages is None:
+                raise StateError("no host pool registered yet (register_mem_pool_host)")
+            pages = self.pages.pages_of(host_indices, len(keys))
+        except (InvalidArgumentError, StateError) as exc:  # a caller's bug: never a crash
+            self._count_failure(call, exc)
+            return [False] * len(keys)
         start = time.perf_counter()
         ok = self._run(call, keys, self.pages, pages)
         if self.settings.metrics:

@@ -79,6 +79,15 @@ def namespace_of(
     )
 
 
+def as_bytes_tensor(data: object) -> torch.Tensor:
+    """A page's bytes (a tensor, or any buffer a store hands back) as a flat uint8 tensor; a
+    read-only buffer is copied (torch takes no read-only memory)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
 class HostPoolPages:
     """An SGLang host pool as a ``PageSource``: page ``p`` is the pool's page starting at token
     slot ``p * page_size``. ``get_page_bytes`` returns the flat page as uint8 (a copy where the
@@ -97,10 +106,7 @@ class HostPoolPages:
         return flat.contiguous().view(torch.uint8)
 
     def set_page_bytes(self, page: int, data: object) -> None:
-        if isinstance(data, torch.Tensor):
-            raw = data.reshape(-1).view(torch.uint8)
-        else:
-            raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+        raw = as_bytes_tensor(data)
         if raw.numel() != self.page_nbytes:
             raise InvalidArgumentError(
                 f"a page of {raw.numel()} bytes for a host pool of {self.page_nbytes}-byte pages"
@@ -146,8 +152,4 @@ class FlatPages:
         return self.tensors[page].reshape(-1).view(torch.uint8)
 
     def set_page_bytes(self, page: int, data: object) -> None:
-        dst = self.get_page_bytes(page)
-        if isinstance(data, torch.Tensor):
-            dst.copy_(data.reshape(-1).view(torch.uint8))
-        else:
-            dst.copy_(torch.from_numpy(np.frombuffer(data, dtype=np.uint8)))
+        self.get_page_bytes(page).copy_(as_bytes_tensor(data))
