@@ -52,7 +52,7 @@ def unpack(header: bytes | memoryview) -> Header | None:
         return None
     raw = bytes(header)
     fields = raw[: _FIELDS.size]
-    if _CHECK.unpack(raw[_FIELDS.size :])[0] != xxhash.xxh32_intdigest(fields):
+    if raw[_FIELDS.size :] != _CHECK.pack(xxhash.xxh32_intdigest(fields)):  # padding included
         return None
     magic, version, _flags, fp, length, csum, tick = _FIELDS.unpack(fields)
     if magic != MAGIC or version != VERSION:
