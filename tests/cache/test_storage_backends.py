@@ -5,6 +5,8 @@ before anything is built."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.cache.test_facade import Model, aligned, assert_no_leak, make_prompts
@@ -74,6 +76,42 @@ def test_a_killed_server_is_counted_misses_and_serving_goes_on(request, gen):
     model.serve(b, drain=True)
     cache.clear_tree()
     assert model.serve(b, drain=True).hits.storage == aligned(26)
+    assert_no_leak(cache)
+
+
+def test_a_server_down_for_long_turns_the_store_off_then_a_probe_brings_it_back(request, gen):
+    """A server that stays down: the guard reopens once, then turns the store off (every call a
+    miss without touching the network); the server comes back; nothing changes until the retry
+    wait (30 s by default: the guard's clock is moved on) has passed, then the next call's probe
+    reconnects and the store serves storage hits again."""
+    server = RedisServer()
+    request.addfinalizer(server.stop)
+    cache = cache_on(
+        request, storage_backend="redis", storage_options={"url": server.url, "timeout_s": 0.3}
+    )
+    guard = cache.storage
+    model = Model(cache, gen)
+    server.stop()
+    prompts = make_prompts(gen, [21, 26, 17, 30, 23, 19, 28, 25, 22, 27, 18, 29])
+    for q in prompts:
+        assert model.serve(q, drain=True).hits.storage == 0
+        if guard.off:
+            break
+    st = cache.stats()["storage"]
+    assert st["off"] == 1 and st["reopens"] == 1 and st["turned_off"] == 1, st
+    server.start()
+    a, b = make_prompts(gen, [33, 20])
+    model.serve(a, drain=True)  # off: a's backup is skipped though the server is back
+    assert guard.off and cache.stats()["storage"]["skipped_while_off"] > 0
+    assert guard.retry_s == 30.0
+    now = time.monotonic()
+    later = now + guard.retry_s + 1
+    guard._clock = lambda: later + (time.monotonic() - now)  # noqa: SLF001 - the wait passed
+    model.serve(b, drain=True)  # the probe: reconnected, b's pages stored
+    assert not guard.off and cache.stats()["storage"]["off"] == 0
+    cache.clear_tree()
+    assert model.serve(b, drain=True).hits.storage == aligned(len(b))
+    assert model.serve(a, drain=True).hits.storage == 0  # skipped while off: never stored
     assert_no_leak(cache)
 
 
