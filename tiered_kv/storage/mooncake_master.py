@@ -1,5 +1,6 @@
 """MooncakeMaster: one ``mooncake_master`` process on 127.0.0.1 (the binary that
-``mooncake-transfer-engine-non-cuda`` installs), for tests, benchmarks and single-machine runs.
+``mooncake-transfer-engine-non-cuda`` installs), for tests, benchmarks and single-machine runs;
+MooncakeLender: a ``mooncake_client`` process lending memory to it.
 
 Mooncake's clients and its built-in metadata server listen on every address whatever they are
 told, so anything short of a real deployment belongs in a loopback-only network namespace
@@ -68,7 +69,7 @@ class MooncakeMaster:
         # Its log goes nowhere: a pipe nobody reads would fill and stall the master.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout_s
-        while not self._accepts():
+        while not _accepts(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise StorageOpenError(
@@ -77,15 +78,52 @@ class MooncakeMaster:
                 )
             time.sleep(0.02)
 
-    def _accepts(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                return True
-        except OSError:
-            return False
-
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+class MooncakeLender:
+    """A ``mooncake_client`` process lending ``nbytes`` of its memory to the store at
+    ``master``: the store's memory outlives the nodes that use it, and their bytes cross the
+    transport (stores on it give ``segment_bytes=0``)."""
+
+    def __init__(self, master: str, nbytes: int, *, start_timeout_s: float = 10.0) -> None:
+        binary = os.path.join(os.path.dirname(master_binary() or ""), "mooncake_client")
+        if not os.access(binary, os.X_OK):
+            raise StorageOpenError(
+                "mooncake_client is not installed beside mooncake_master; pip install "
+                "mooncake-transfer-engine-non-cuda"
+            )
+        self.port = free_port()
+        args = [
+            binary,
+            f"--master_server_address={master}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--global_segment_size={nbytes}",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            "--protocol=tcp",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout_s
+        while not _accepts(self.port):  # its service port opens once its segment is mounted
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise StorageOpenError(f"mooncake_client did not start within {start_timeout_s} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
