@@ -26,6 +26,7 @@ except ImportError:  # Python 3.10
 
 from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
 from tiered_kv.cli.args import json_object
+from tiered_kv.cli.observe import add_log_argument, setup_logging
 
 COMMANDS = {"run": scale_cmd, "run-reference": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__)
         p.add_argument("--config", metavar="FILE.toml", help="TOML file of flag values")
         p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+        add_log_argument(p)
         module.add_arguments(p)
         for action in p._actions:  # noqa: SLF001
             # ArgumentDefaultsHelpFormatter only annotates options that have help text.
@@ -133,6 +135,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    setup_logging(args.log_level)
     return COMMANDS[args.command].main(args)
 
 

@@ -14,6 +14,7 @@ import os
 import time
 
 from tiered_kv.cli.args import add_storage_backend_arguments, check_storage_backend, positive_int
+from tiered_kv.cli.observe import add_metrics_arguments, metrics_endpoint
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.engine.cost_model import COST_MODELS
 from tiered_kv.engine.presets import PRESETS
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--host-fraction", type=_positive_float, default=_D.host_fraction)
     c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
     add_storage_backend_arguments(c)
+    add_metrics_arguments(p.add_argument_group("observability"))
     m = p.add_argument_group("modeled time")
     by_preset = ", ".join(f"{p} {c}" for p, c in PRESET_COST_MODELS.items())
     m.add_argument(
@@ -111,7 +113,10 @@ def main(args: argparse.Namespace) -> int:
         flush=True,
     )
     load_before = _load()
-    result = run_scale(cfg)
+    with metrics_endpoint(args.metrics_port, args.metrics_host) as endpoint:
+        # The endpoint shows each mode's cache while it serves (the last one after).
+        show = (lambda mode, cache: endpoint.show(cache.registry, mode)) if endpoint else None
+        result = run_scale(cfg, on_cache=show)
     result["command"] = "run"
     result["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "config")}
     result["load_average"] = {"before": load_before, "after": _load()}

@@ -42,13 +42,20 @@ from tiered_kv.errors import InvalidArgumentError, StateError
 MODES = ("tiered", "device_only", "recompute")
 SALT = 1 << 31  # recompute: first token ids no prompt otherwise holds
 Hook = Callable[[TieredKVCache, Request], None]
+CacheHook = Callable[[str, TieredKVCache], None]  # (mode, its cache) once the cache is built
 
 
 def run_mode(
-    cfg: ScaleConfig, mode: str, store_dir: str | None = None, *, on_restored: Hook | None = None
+    cfg: ScaleConfig,
+    mode: str,
+    store_dir: str | None = None,
+    *,
+    on_restored: Hook | None = None,
+    on_cache: CacheHook | None = None,
 ) -> dict:
     """Serve the workload one way (``MODES``); its report. ``store_dir``: where the tiered
-    mode's store lives (needed for it)."""
+    mode's store lives (needed for it). ``on_cache`` sees the cache before it serves (the
+    metrics endpoint shows its registry)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode={mode!r}; use one of {', '.join(MODES)}")
     if mode == "tiered" and store_dir is None:
@@ -67,6 +74,8 @@ def run_mode(
     cache = TieredKVCache(config)
     t0 = time.perf_counter()
     try:
+        if on_cache is not None:
+            on_cache(mode, cache)
         model = SyntheticModel(
             cache, SyntheticKV(config), write=mode != "recompute", on_restored=on_restored
         )
@@ -166,14 +175,20 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
     }
 
 
-def run_scale(cfg: ScaleConfig, modes=MODES, *, on_restored: Hook | None = None) -> dict:
+def run_scale(
+    cfg: ScaleConfig,
+    modes=MODES,
+    *,
+    on_restored: Hook | None = None,
+    on_cache: CacheHook | None = None,
+) -> dict:
     """Every mode in ``modes`` on ``cfg``'s workload, and the tiered mode's gains as ratios."""
     cost, s = cfg.cost, sizes(cfg)
     t0 = time.perf_counter()
     results = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="tiered-kv-run-", dir=cfg.store_dir) as d:
-            results[mode] = run_mode(cfg, mode, d, on_restored=on_restored)
+            results[mode] = run_mode(cfg, mode, d, on_restored=on_restored, on_cache=on_cache)
     return {
         "preset": {"name": cfg.model_preset.name, "source": cfg.model_preset.source,
                    "bytes_per_token": s.bytes_per_token},
