@@ -247,6 +247,25 @@ def test_refused_jobs_are_counted_failed(cache, gen):
     assert h["device_to_host"]["failed"] == 0 and h["device_to_host"]["seconds"][0] == 1
 
 
+def test_a_failed_merged_job_is_one_storage_error(cache, gen):
+    """Three requests' backups go as one storage job; the store worker raising on it is one
+    failed job and one storage error (not one more for the part that carried the message)."""
+
+    def broken(job):
+        raise OSError("disk gone")
+
+    cache.host_storage.submit = broken
+    prompts = _prompts(3, base=70_000)
+    reqs = [cache.begin(p[:17]) for p in prompts]
+    for r, p in zip(reqs, prompts, strict=True):
+        _write(cache, cache.extend(r, p[:17]), gen)
+    cache.finish_many(reqs)
+    cache.drain()
+    got = scrape(cache.prometheus())
+    assert got["tiered_kv_storage_errors_total"][()] == cache.stats()["storage"]["errors"] == 1
+    assert got["tiered_kv_transfer_failed_jobs_total"][(("direction", "host_to_storage"),)] == 1
+
+
 def test_occupancy_gauges_match_stats_and_free_sizes(cache, gen):
     def gauges():
         got = scrape(cache.prometheus())

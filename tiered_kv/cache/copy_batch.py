@@ -103,7 +103,7 @@ class CopyBatch:
         members = self._members.pop(result.job_id)
         total = sum(n for _, n in members) or 1
         page = -1 if not result.num_pages else sum(n for _, n in members) // result.num_pages
-        for i, (part, size) in enumerate(members):
+        for part, size in members:
             del self._merged_into[part]
             pages = size // page if page > 0 else 0
             self._jobs.deliver(
@@ -115,6 +115,6 @@ class CopyBatch:
                     result.seconds,
                     pages if result.ok else 0,
                     pages,
-                    result.error if i == 0 else None,  # one error counted once
+                    None,  # the merged job's own delivery counted its error, once
                 )
             )
