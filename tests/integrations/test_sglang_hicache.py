@@ -86,6 +86,20 @@ def test_round_trip_through_sglangs_controller(tmp_path, gen, mla, layout):
         rig.close()
 
 
+@pytest.mark.parametrize("mla, layout", [(False, "page_first"), (True, "page_first_direct")])
+def test_round_trip_through_sglangs_hybrid_controller(tmp_path, gen, mla, layout):
+    """The controller SGLang 0.5.23's radix cache really builds for a plain model: its
+    HybridCacheController over a host pool group, which registers the KV pool a second time
+    through register_mem_host_pool_v2."""
+    rig = rig_for(tmp_path, mla, layout, group=True)
+    try:
+        assert type(rig.controller).__name__ == "HybridCacheController"
+        assert round_trip(rig, gen, 6) == (6 * PAGE, 6 * PAGE, True)
+        assert rig.backend.storage_stats().hits == 6
+    finally:
+        rig.close()
+
+
 def test_sglangs_page_hashes_are_our_chain_digests(tmp_path, gen):
     from tiered_kv.storage.keys import page_keys
 
@@ -212,6 +226,24 @@ def test_storage_metrics_per_batch(tmp_path, gen):
         assert (m.backup_pgs, m.prefetch_pgs) == ([5], [5])
         assert m.backup_bandwidth[0] > 0 and m.prefetch_bandwidth[0] > 0
         assert rig.backend.get_stats().backup_pgs == []  # cleared by the read
+        missing = rig.page_hashes(tokens(gen, 2))  # pages per batch asked for, GB/s of hits
+        assert rig.backend.batch_get_v1(missing, torch.arange(2 * PAGE)) == [False, False]
+        m = rig.backend.get_stats()
+        assert (m.prefetch_pgs, m.prefetch_bandwidth) == ([2], [0.0])
+    finally:
+        rig.close()
+
+
+def test_only_the_kv_pool_is_registered(tmp_path):
+    from tiered_kv.errors import TieredKVError
+
+    rig = rig_for(tmp_path)
+    try:
+        rig.backend.register_mem_host_pool_v2(rig.host, "kv")  # its HybridCacheController's call
+        with pytest.raises(TieredKVError, match="'mamba'.*KV pool only|KV pool only.*'mamba'"):
+            rig.backend.register_mem_host_pool_v2(rig.host, "mamba")
+        with pytest.raises(TieredKVError, match="KV pool only"):
+            rig.backend.register_mem_host_pool_v2(object(), "kv")
     finally:
         rig.close()
 

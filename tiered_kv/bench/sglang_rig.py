@@ -70,7 +70,11 @@ class SGLangRig:
         tp_size: int = 1,
         model_name: str = "tiered-kv-test@r1",
         storage_metrics: bool = False,
+        group: bool = False,
     ) -> None:
+        """``group``: SGLang's ``HybridCacheController`` over a one-entry ``HostPoolGroup`` (the
+        KV pool as its anchor), which is what its ``UnifiedRadixCache`` builds for a plain MHA /
+        MLA model (``build_kv_only_stack``); else the base ``HiCacheController``."""
         if shape.layout not in IO_BACKENDS:
             raise StateError(f"layout {shape.layout!r}: the rig runs {sorted(IO_BACKENDS)}")
         mem = importlib.import_module("sglang.srt.mem_cache.memory_pool")
@@ -108,12 +112,28 @@ class SGLangRig:
         stand_ins.register_tensors(self.device_buffers)  # the pointer-table ops resolve them
         self.kv, self.host = kv, host
         self.allocator = alloc_mod.PagedTokenToKVPoolAllocator(n, ps, shape.dtype, "cpu", kv, False)
+        pools, controller_cls = host, ctrl_mod.HiCacheController
+        self.group = group
+        if group:
+            assembler = importlib.import_module(
+                "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+            )
+            group_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
+            hybrid = importlib.import_module(
+                "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
+            )
+            entry = assembler.build_pool_entry(
+                name=importlib.import_module("sglang.srt.mem_cache.hicache_storage").PoolName.KV,
+                host_pool=host, device_pool=kv, layer_mapping={i: i for i in range(kv.layer_num)},
+                transfer_layer_id_max=kv.layer_num, is_anchor=True,
+            )  # fmt: skip
+            pools, controller_cls = group_mod.HostPoolGroup([entry]), hybrid.HybridCacheController
         with parallel.override(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1,
             attn_dcp_rank=0,
         ):  # fmt: skip
-            self.controller = ctrl_mod.HiCacheController(
-                self.allocator, host, ps, None, threading.Event(),
+            self.controller = controller_cls(
+                self.allocator, pools, ps, None, threading.Event(),
                 io_backend=IO_BACKENDS[shape.layout], storage_backend=backend,
                 prefetch_threshold=ps, model_name=model_name,
                 storage_backend_extra_config=dict(extra_config),
@@ -167,7 +187,12 @@ class SGLangRig:
         allocated host pages); (tokens loaded, their host slots or None on a miss)."""
         c = self.controller
         self._prefetches += 1
-        c.prefetch(f"req-{self._prefetches}", list(tokens))
+        rid = f"req-{self._prefetches}"
+        if self.group:  # the hybrid controller names a request by its handle
+            base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+            c.prefetch(base.CacheRequestHandle(rid, 0), list(tokens))
+        else:
+            c.prefetch(rid, list(tokens))
         op = c.prefetch_hit_queue.get(timeout=ACK_TIMEOUT_S)
         if op.storage_hit_count == 0:
             return 0, None

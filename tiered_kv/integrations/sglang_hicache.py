@@ -113,6 +113,19 @@ class TieredKVHiCacheStorage(_SGLangBase):
         self.store = GuardedStorage(opener)
         self.pages, self.namespace = pages, namespace
 
+    def register_mem_host_pool_v2(self, host_pool: SGLangHostPool, host_pool_name: object) -> None:
+        """SGLang's per-pool registration (its ``HybridCacheController`` registers every host pool
+        of its group, the KV pool included). Only the KV pool is stored: a side pool (a hybrid
+        model's Mamba / SWA state, a DSA indexer, a draft model's KV) moves through the v2
+        calls, which this backend does not implement, so it is refused here, at attach."""
+        if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
+            return
+        raise InvalidArgumentError(
+            f"tiered_kv's HiCache backend stores the KV pool only, not host pool "
+            f"{str(host_pool_name)!r}: models with side pools (hybrid Mamba / SWA, DSA indexer, "
+            "speculative draft KV) need one of SGLang's own backends"
+        )
+
     def keys_of(self, hashes: Sequence[str]) -> list[bytes]:
         """Our page keys for SGLang's page hashes under this backend's namespace."""
         if self.namespace is None:
