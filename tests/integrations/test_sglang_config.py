@@ -72,6 +72,7 @@ def test_settings_carry_the_store_model_and_writer():
         ({"storage_path": "/x", "storage_bytes": 1}, {"model_name": None}, r"model_id=None"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"dcp_size": 2}, r"dcp_size > 1"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"tp_rank": -1}, r"tp_rank=-1"),
+        ({"storage_path": "/x", "storage_bytes": 1}, {"should_split_heads": True}, r"tp_lcm_size"),
         ("not a dict", {}, r"a JSON object"),
     ],
 )

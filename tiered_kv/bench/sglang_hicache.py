@@ -1,8 +1,10 @@
 """SGLang's HiCacheController backing up and prefetching through our backend and its own file one.
 
-Two arms, each an ``SGLangRig`` of the same shape in its own directory: ``tiered_kv`` (our
-``TieredKVHiCacheStorage``, loaded by SGLang by module path, v1 interface, the local store in
-the given layout) and ``hicache_file`` (SGLang's ``HiCacheFile``, loaded as ``file``). A round
+Two arms, each an ``SGLangRig`` of the same shape in its own directory, with the controller
+SGLang's radix cache builds for a plain model (``HybridCacheController`` over a host pool
+group): ``tiered_kv`` (our ``TieredKVHiCacheStorage``, loaded by SGLang by module path, v1
+interface, the local store in the given layout) and ``hicache_file`` (SGLang's ``HiCacheFile``,
+loaded as ``file``). A round
 draws fresh tokens and fresh random KV (untimed: written into each arm's device pool and copied
 to its host pool), then times in each arm:
 
@@ -61,8 +63,8 @@ def _rigs(shape: RigShape, workdir: str, storage_layout: str, store_bytes: int) 
     )
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)  # would override the path
     return {
-        "tiered_kv": SGLangRig(shape, "dynamic", extra),
-        "hicache_file": SGLangRig(shape, "file", {"file_storage_path": theirs}),
+        "tiered_kv": SGLangRig(shape, "dynamic", extra, group=True),
+        "hicache_file": SGLangRig(shape, "file", {"file_storage_path": theirs}, group=True),
     }
 
 

@@ -82,6 +82,11 @@ def rank_identity(config: SGLangStorageConfig) -> str | None:
             "across ranks, which this backend does not store; run without DCP or use SGLang's "
             "file or mooncake backend"
         )
+    if bool(getattr(config, "should_split_heads", False)):
+        raise InvalidArgumentError(
+            f"{EXTRA_CONFIG_FLAG} tp_lcm_size: pages split by heads across ranks of different "
+            "tensor-parallel sizes are not stored by this backend; drop tp_lcm_size"
+        )
     parts = [] if bool(config.is_mla_model) else [f"tp{tp_rank}of{tp_size}"]
     if pp_size > 1:
         parts.append(f"pp{pp_rank}of{pp_size}")
