@@ -66,6 +66,7 @@ def test_settings_carry_the_store_model_and_writer():
             r"color=2 is invalid: unknown",
         ),
         ({"storage_path": "/x"}, {}, r"storage_bytes=None is invalid: an int >= 1"),
+        ({"storage_path": "/x", "storage_bytes": 1, "storage_batch_pages": 8}, {}, "unknown key"),
         ({"storage_path": "/x", "storage_bytes": True}, {}, r"storage_bytes=True"),
         ({"storage_bytes": 1}, {}, r"storage_path"),
         ({"storage_path": "/x", "storage_bytes": 1, "storage_layout": "tape"}, {}, "tape"),

@@ -9,7 +9,8 @@ draws fresh tokens and fresh random KV (untimed: written into each arm's device 
 to its host pool), then times in each arm:
 
 - ``backup``: ``write_storage`` until SGLang's backup thread acknowledges it (host -> store, in
-  SGLang's batches of ``STORAGE_BATCH_SIZE`` pages);
+  SGLang's batches of ``STORAGE_BATCH_SIZE`` pages), after an untimed ``sync`` (no dirty pages
+  of earlier rounds are written back on its clock; neither backend syncs its own writes);
 - ``prefetch``: ``prefetch`` until the last prefetch ack: SGLang's hit query (``batch_exists``),
   allocating the host pages, the transfer (store -> host). The page cache is warm (the pages
   were just written), for both arms alike.
@@ -80,6 +81,9 @@ def _one_round(rig: SGLangRig, arm: str, tokens: list[int], gen: torch.Generator
     dev = rig.fill_device(len(tokens), gen)
     host = rig.write_to_host(dev)
     want = _host_pages(rig, host)
+    # Both arms write through the page cache; without a flush first a backup is billed for
+    # whatever dirty pages earlier rounds (of either arm) left the kernel to write back.
+    os.sync()
     t_backup, stored = timed_call(lambda: rig.backup(host, tokens))
     t_prefetch, (got, host2) = timed_call(lambda: rig.prefetch(tokens))
     if stored != len(tokens) or got != len(tokens):

@@ -27,8 +27,11 @@ EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
 # Keys SGLang itself reads from the extra config of a dynamic backend (tp_lcm_size is popped
 # by its controller before we see the dict, when given).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+# model_id and rank are ours to set; SGLang batches the calls itself (STORAGE_BATCH_SIZE pages)
 STORAGE_KEYS = frozenset(
-    f.name for f in fields(StorageConfig) if f.name not in ("model_id", "rank")
+    f.name
+    for f in fields(StorageConfig)
+    if f.name not in ("model_id", "rank", "storage_batch_pages")
 )
 OUR_KEYS = STORAGE_KEYS | {"model_id"}
 
