@@ -111,6 +111,13 @@ class MooncakeClient:
                 )
             self._regions[key] = region
 
+    def unregister(self, region: np.ndarray) -> None:
+        """Forget a region ``register`` took (a transfer must not be using it)."""
+        key = (region.ctypes.data, region.nbytes)
+        with self._lock:
+            if self._regions.pop(key, None) is not None and not self._closed:
+                self.raw.unregister_buffer(key[0])
+
     def mount(self, nbytes: int) -> list[str]:
         """Lend ``nbytes`` of this process's memory to the store; the segment ids."""
         out = self.raw.allocate_and_mount_segment(nbytes, self.conn.protocol)

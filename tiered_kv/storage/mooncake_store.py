@@ -65,6 +65,13 @@ class _Arena:
         client.register(self.headers)
         self._stage: np.ndarray | None = None
 
+    def release(self) -> None:
+        with self.lock:
+            for region in (self.headers, self._stage):
+                if region is not None:
+                    self.client.unregister(region)
+            self._stage = None
+
     def stage(self) -> np.ndarray:
         if self._stage is None:
             stage = np.empty((self.rows, self.page_nbytes), dtype=np.uint8)
@@ -338,3 +345,5 @@ class MooncakeStorage(PageStorage):
         for the process's other stores."""
         segments, self._segments = self._segments, []
         self._client.unmount(segments)
+        self._put_arena.release()
+        self._get_arena.release()
