@@ -1,9 +1,10 @@
 """MooncakeStorage against a real Mooncake Store (a master on 127.0.0.1, memory lent by this
 process, in a loopback-only network namespace: see mooncake_server): values are verified on
 every read (a flipped byte, a torn or oversized value, another namespace's record is a counted
-miss, removed, never served), a killed master gives counted misses and the store recovers when
-it comes back, a full store refuses some sets (counted) and keeps serving, pages written by one
-store are read by another, staged sources and batches over many chunks round-trip."""
+miss, removed, never served), a killed master or a killed process lending the store's memory
+gives counted misses and the store recovers when it comes back, a full store refuses some sets
+(counted) and keeps serving, pages written by one store are read by another, staged sources and
+batches over many chunks round-trip."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 
 from tiered_kv.errors import InvalidArgumentError, StorageOpenError
 from tiered_kv.storage import StorageNamespace, page_keys, value_format
-from tiered_kv.storage.mooncake_master import free_port
+from tiered_kv.storage.mooncake_master import MooncakeLender, MooncakeMaster, free_port
 from tiered_kv.storage.mooncake_store import MooncakeStorage
 
 from ._util import ByteSource, P, byte_namespace, make_host, raw_key
-from .mooncake_server import MooncakeServer
+from .mooncake_server import MooncakeServer, require_mooncake
 
 
 @pytest.fixture
@@ -173,6 +174,42 @@ def test_a_killed_master_gives_counted_misses_and_the_store_recovers(small_serve
     for src, dst in ((5, 12), (6, 13), (7, 14)):
         assert np.array_equal(page(host, dst), page(host, src))
     store.close()
+
+
+def test_a_killed_lender_gives_counted_misses_and_the_store_recovers(host, ns, keys):
+    """The process lending the store's memory dies: its pages are gone, reads and writes are
+    counted misses; a new lender brings room back."""
+    require_mooncake()
+    master = MooncakeMaster(lease_ms=300)
+    lender = MooncakeLender(master.address, 32 << 20)
+    store = None
+    try:
+        store = MooncakeStorage(ns, host.page_nbytes, master=master.address, segment_bytes=0)
+        assert store.batch_set(keys[:3], host, [0, 1, 2]) == [True] * 3
+        lender.stop()
+        deadline = time.monotonic() + 60
+        while store.batch_get(keys[:3], host, [8, 9, 10]) != [False] * 3:
+            assert time.monotonic() < deadline, "the dead lender's pages were still served"
+            time.sleep(0.5)
+        while store.batch_set(keys[3:4], host, [3]) != [False]:
+            assert time.monotonic() < deadline, "a set succeeded with no memory lent"
+            time.sleep(0.5)
+        s = store.stats()
+        assert s.set_skipped >= 1 and s.misses >= 3
+        assert any(k.startswith("batch_get: ") for k in s.errors), s.errors
+        assert any(k.startswith("batch_set: ") for k in s.errors), s.errors
+        lender = MooncakeLender(master.address, 32 << 20)
+        while store.batch_set(keys[4:6], host, [4, 5]) != [True, True]:
+            assert time.monotonic() < deadline, store.stats().errors
+            time.sleep(0.2)
+        assert store.batch_get(keys[4:6], host, [12, 13]) == [True, True]
+        assert np.array_equal(page(host, 12), page(host, 4))
+        assert np.array_equal(page(host, 13), page(host, 5))
+    finally:
+        lender.stop()
+        master.stop()
+        if store is not None:
+            store._client.close()
 
 
 def test_a_full_store_refuses_some_sets_counted_and_keeps_serving(small_server, gen):
