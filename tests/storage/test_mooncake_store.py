@@ -178,7 +178,7 @@ def test_a_killed_master_gives_counted_misses_and_the_store_recovers(small_serve
 
 def test_a_killed_lender_gives_counted_misses_and_the_store_recovers(host, ns, keys):
     """The process lending the store's memory dies: its pages are gone, reads and writes are
-    counted misses; a new lender brings room back."""
+    counted misses; a new lender brings room back. Then the client closes under the store."""
     require_mooncake()
     master = MooncakeMaster(lease_ms=300)
     lender = MooncakeLender(master.address, 32 << 20)
@@ -205,6 +205,19 @@ def test_a_killed_lender_gives_counted_misses_and_the_store_recovers(host, ns, k
         assert store.batch_get(keys[4:6], host, [12, 13]) == [True, True]
         assert np.array_equal(page(host, 12), page(host, 4))
         assert np.array_equal(page(host, 13), page(host, 5))
+        # Its process's client closed under it (at exit, say): counted misses, not a crash.
+        store._client.close()
+        errors = sum(store.stats().errors.values())
+        assert store.batch_exists(keys) == 0
+        assert store.batch_get(keys[4:6], host, [12, 13]) == [False, False]
+        assert store.batch_set(keys[6:7], host, [6]) == [False]
+        assert store.delete(keys[:1]) == 0
+        store.clear()
+        store.close()
+        s = store.stats()
+        assert sum(s.errors.values()) >= errors + 6, s.errors
+        for call in ("batch_exists", "batch_get", "batch_set", "delete", "clear"):
+            assert s.errors.get(f"{call}: ClientClosedError", 0) >= 1, s.errors
     finally:
         lender.stop()
         master.stop()

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tiered_kv.errors import StorageOpenError
+from tiered_kv.errors import StorageOpenError, TieredKVError
 
 # The codes the store answers with that these stores tell apart (Mooncake's ErrorCode).
 OBJECT_NOT_FOUND = -704
@@ -36,6 +36,10 @@ CODE_NAMES = {
 
 def code_name(code: int) -> str:
     return CODE_NAMES.get(code, f"code {code}")
+
+
+class ClientClosedError(TieredKVError):
+    """A call on a client that is closed or closing."""
 
 
 class Connection(NamedTuple):
@@ -85,8 +89,10 @@ class MooncakeClient:
                 f"metadata_server={conn.metadata_server!r}: is mooncake_master running there "
                 "(MooncakeMaster, or `mooncake_master --rpc_port=...`)?"
             )
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()  # _closed, _busy and _regions
+        self._register_lock = threading.Lock()
         self._regions: dict[tuple[int, int], np.ndarray] = {}
+        self._busy = 0  # raw calls in flight: close waits for them
         self._closed = False
 
     @classmethod
@@ -97,30 +103,50 @@ class MooncakeClient:
                 client = cls._registry[conn] = cls(conn)
             return client
 
-    def register(self, region: np.ndarray) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def call(self, method: str, *args: object) -> object:
+        """``raw.<method>(*args)``; raises ``ClientClosedError`` once the client is closing
+        (a closed ``MooncakeDistributedStore`` crashes the process on any call)."""
+        with self._cond:
+            if self._closed:
+                raise ClientClosedError(f"the Mooncake client of {self.conn.master} is closed")
+            self._busy += 1
+        try:
+            return getattr(self.raw, method)(*args)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def register(self, region: np.ndarray) -> bool:
         """Register ``region`` (C-contiguous) for transfers once; it is kept alive, and so
-        stays valid, until the client closes."""
+        stays valid, until the client closes. False if the store refused (TCP transfers work
+        unregistered; RDMA ones then fail, counted by the calls)."""
         key = (region.ctypes.data, region.nbytes)
-        with self._lock:
-            if key in self._regions:
-                return
-            rc = self.raw.register_buffer(*key)
-            if rc != 0:
-                raise StorageOpenError(
-                    f"Mooncake Store could not register {region.nbytes} bytes ({code_name(rc)})"
-                )
-            self._regions[key] = region
+        with self._register_lock:  # one registration of a region, not two racing
+            with self._cond:
+                if key in self._regions:
+                    return True
+            if self.call("register_buffer", *key) != 0:
+                return False
+            with self._cond:
+                self._regions[key] = region
+            return True
 
     def unregister(self, region: np.ndarray) -> None:
         """Forget a region ``register`` took (a transfer must not be using it)."""
         key = (region.ctypes.data, region.nbytes)
-        with self._lock:
-            if self._regions.pop(key, None) is not None and not self._closed:
-                self.raw.unregister_buffer(key[0])
+        with self._cond:
+            known = self._regions.pop(key, None) is not None
+        if known and not self._closed:
+            self.call("unregister_buffer", key[0])
 
     def mount(self, nbytes: int) -> list[str]:
         """Lend ``nbytes`` of this process's memory to the store; the segment ids."""
-        out = self.raw.allocate_and_mount_segment(nbytes, self.conn.protocol)
+        out = self.call("allocate_and_mount_segment", nbytes, self.conn.protocol)
         if out.get("ret", -1) != 0:
             raise StorageOpenError(
                 f"Mooncake Store could not mount a segment of {nbytes} bytes "
@@ -130,19 +156,21 @@ class MooncakeClient:
 
     def unmount(self, segment_ids: list[str]) -> None:
         if segment_ids and not self._closed:
-            self.raw.unmount_and_free_segment(segment_ids)
+            self.call("unmount_and_free_segment", segment_ids)
 
-    def close(self) -> None:
-        """Close the connection (~2 s) and forget it; stores on it fail (counted) after."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Close the connection (~2 s) and forget it, after the calls in flight (at most
+        ``wait_s``); later calls raise ``ClientClosedError`` (stores count them as misses)."""
         with MooncakeClient._registry_lock:
             if MooncakeClient._registry.get(self.conn) is self:
                 del MooncakeClient._registry[self.conn]
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self.raw.close()
+            self._cond.wait_for(lambda: self._busy == 0, timeout=wait_s)
             self._regions.clear()
+        self.raw.close()
 
 
 def _reachable(master: str, timeout_s: float = 2.0) -> None:

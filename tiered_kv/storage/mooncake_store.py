@@ -25,6 +25,7 @@ opened (the store has no per-namespace count; its own evictions show up as misse
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from tiered_kv.storage.mooncake_client import (
     BUFFER_OVERFLOW,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
+    ClientClosedError,
     Connection,
     MooncakeClient,
     code_name,
@@ -66,7 +68,7 @@ class _Arena:
         self._stage: np.ndarray | None = None
 
     def release(self) -> None:
-        with self.lock:
+        with self.lock, contextlib.suppress(ClientClosedError):
             for region in (self.headers, self._stage):
                 if region is not None:
                     self.client.unregister(region)
@@ -75,7 +77,8 @@ class _Arena:
     def stage(self) -> np.ndarray:
         if self._stage is None:
             stage = np.empty((self.rows, self.page_nbytes), dtype=np.uint8)
-            self.client.register(stage)
+            with contextlib.suppress(ClientClosedError):  # the call after says so, counted
+                self.client.register(stage)
             self._stage = stage
         return self._stage
 
@@ -140,7 +143,6 @@ class MooncakeStorage(PageStorage):
             master, metadata_server, local_hostname, protocol, device_name, local_buffer_bytes
         )
         self._client = MooncakeClient.shared(conn)
-        self._raw = self._client.raw
         lend = (budget_bytes or 0) if segment_bytes is None else segment_bytes
         self._segments = self._client.mount(lend) if lend else []
         rows = max(1, min(_MAX_CHUNK, _STAGE_BYTES // page_nbytes))
@@ -151,12 +153,24 @@ class MooncakeStorage(PageStorage):
         with self._lock:  # by call and kind: a bounded set of counters, not one per message
             self._stats.count_error(f"{what}: {kind}")
 
+    def _call(self, what: str, method: str, *args: object):
+        """The client's ``method(*args)``, or None where it raised (counted: a closed client,
+        an error of the binding)."""
+        try:
+            return self._client.call(method, *args)
+        except Exception as exc:
+            self._failed(what, type(exc).__name__)
+            return None
+
     def _zero_copy_rows(self, source: PageSource) -> np.ndarray | None:
         """The source's pages as registered rows, or None (then pages are staged)."""
         rows = page_rows(source)
         if rows is None or not rows.flags.c_contiguous or rows.dtype != np.uint8:
             return None
-        self._client.register(rows)
+        try:
+            self._client.register(rows)
+        except Exception as exc:  # then the transfer says whether it mattered
+            self._failed("register", type(exc).__name__)
         return rows
 
     # -- the contract -------------------------------------------------------------------------
@@ -171,10 +185,8 @@ class MooncakeStorage(PageStorage):
 
     def _exist_codes(self, names: list[str], what: str) -> list[int]:
         """Per name 1 present, 0 absent, -1 cannot say (counted)."""
-        try:
-            codes = list(self._raw.batch_is_exist(names))
-        except Exception as exc:  # the binding raises for a closed client
-            self._failed(what, type(exc).__name__)
+        codes = self._call(what, "batch_is_exist", names)
+        if codes is None:
             return [-1] * len(names)
         if any(c < 0 for c in codes):
             self._failed(what, "exist check failed")
@@ -195,10 +207,7 @@ class MooncakeStorage(PageStorage):
             out += self._get_chunk(keys[chunk], source, pages[chunk], rows, bad)
         hits = {k for k, ok in zip(keys, out, strict=True) if ok}
         if bad:
-            try:
-                self._raw.batch_remove([_name(k) for k in bad], True)
-            except Exception as exc:
-                self._failed("batch_get remove", type(exc).__name__)
+            self._call("batch_get remove", "batch_remove", [_name(k) for k in bad], True)
         with self._lock:
             self._stats.gets += len(keys)
             self._stats.hits += sum(out)
@@ -215,12 +224,11 @@ class MooncakeStorage(PageStorage):
             dst = rows if rows is not None else arena.stage()
             where = pages if rows is not None else range(len(keys))
             ptrs = [[heads[j].ctypes.data, dst[p].ctypes.data] for j, p in enumerate(where)]
-            try:
-                codes = self._raw.batch_get_into_multi_buffers(
-                    [_name(k) for k in keys], ptrs, [[_HEAD, n]] * len(keys)
-                )
-            except Exception as exc:
-                self._failed("batch_get", type(exc).__name__)
+            names = [_name(k) for k in keys]
+            codes = self._call(
+                "batch_get", "batch_get_into_multi_buffers", names, ptrs, [[_HEAD, n]] * len(keys)
+            )
+            if codes is None:
                 return [False] * len(keys)
             out, fp = [], self.namespace.fingerprint
             for j, (key, page, p, code) in enumerate(zip(keys, pages, where, codes, strict=True)):
@@ -243,11 +251,8 @@ class MooncakeStorage(PageStorage):
 
     def _wrong_size(self, key: bytes) -> bool:
         """Whether the value under ``key`` is there with a size no page of ours has."""
-        try:
-            size = self._raw.get_size(_name(key))
-        except Exception:
-            return False
-        return size >= 0 and size != _HEAD + self.page_nbytes
+        size = self._call("batch_get size", "get_size", _name(key))
+        return size is not None and size >= 0 and size != _HEAD + self.page_nbytes
 
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
@@ -292,12 +297,11 @@ class MooncakeStorage(PageStorage):
                 row = src[pages[i]] if rows is not None else src[j]
                 heads[j] = np.frombuffer(value_format.pack(fp, row, 0), dtype=np.uint8)
                 ptrs.append([heads[j].ctypes.data, row.ctypes.data])
-            try:
-                codes = self._raw.batch_put_from_multi_buffers(
-                    [_name(keys[i]) for i in chunk], ptrs, [[_HEAD, n]] * len(chunk)
-                )
-            except Exception as exc:
-                self._failed("batch_set", type(exc).__name__)
+            names = [_name(keys[i]) for i in chunk]
+            codes = self._call(
+                "batch_set", "batch_put_from_multi_buffers", names, ptrs, [[_HEAD, n]] * len(chunk)
+            )
+            if codes is None:
                 return [False] * len(chunk)
         for code in codes:
             if code != 0:  # a full store (while it evicts), a master down, a timeout
@@ -308,10 +312,9 @@ class MooncakeStorage(PageStorage):
         keys = list(dict.fromkeys(self._check_keys(keys)))
         if not keys:
             return 0
-        try:  # forced: a plain removal fails while a recent read's lease lasts
-            codes = self._raw.batch_remove([_name(k) for k in keys], True)
-        except Exception as exc:
-            self._failed("delete", type(exc).__name__)
+        # Forced: a plain removal fails while a recent read's lease lasts.
+        codes = self._call("delete", "batch_remove", [_name(k) for k in keys], True)
+        if codes is None:
             return 0
         for code in codes:
             if code not in (0, OBJECT_NOT_FOUND):
@@ -323,10 +326,8 @@ class MooncakeStorage(PageStorage):
     def clear(self) -> None:
         """Remove this namespace's pages (other namespaces in the store keep theirs)."""
         prefix = "^" + re.escape(_name(self.namespace.fingerprint))
-        try:
-            rc = self._raw.remove_by_regex(prefix, True)
-        except Exception as exc:
-            self._failed("clear", type(exc).__name__)
+        rc = self._call("clear", "remove_by_regex", prefix, True)
+        if rc is None:
             return
         if rc < 0:
             self._failed("clear", code_name(rc))
@@ -344,6 +345,9 @@ class MooncakeStorage(PageStorage):
         """Take back the memory this store lent (its pages there go); the client stays open
         for the process's other stores."""
         segments, self._segments = self._segments, []
-        self._client.unmount(segments)
+        try:
+            self._client.unmount(segments)
+        except Exception as exc:
+            self._failed("close", type(exc).__name__)
         self._put_arena.release()
         self._get_arena.release()
