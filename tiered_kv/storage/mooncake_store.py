@@ -223,7 +223,8 @@ class MooncakeStorage(PageStorage):
             heads = arena.headers
             dst = rows if rows is not None else arena.stage()
             where = pages if rows is not None else range(len(keys))
-            ptrs = [[heads[j].ctypes.data, dst[p].ctypes.data] for j, p in enumerate(where)]
+            h0, d0 = heads.ctypes.data, dst.ctypes.data  # C-contiguous rows: plain offsets
+            ptrs = [[h0 + j * _HEAD, d0 + p * n] for j, p in enumerate(where)]
             names = [_name(k) for k in keys]
             codes = self._call(
                 "batch_get", "batch_get_into_multi_buffers", names, ptrs, [[_HEAD, n]] * len(keys)
@@ -291,12 +292,13 @@ class MooncakeStorage(PageStorage):
             heads = arena.headers
             src = rows if rows is not None else arena.stage()
             ptrs = []
+            h0, s0 = heads.ctypes.data, src.ctypes.data  # C-contiguous rows: plain offsets
             for j, i in enumerate(chunk):
+                at = pages[i] if rows is not None else j
                 if rows is None:
                     src[j] = source.get_page_bytes(pages[i]).numpy().reshape(-1)
-                row = src[pages[i]] if rows is not None else src[j]
-                heads[j] = np.frombuffer(value_format.pack(fp, row, 0), dtype=np.uint8)
-                ptrs.append([heads[j].ctypes.data, row.ctypes.data])
+                heads[j] = np.frombuffer(value_format.pack(fp, src[at], 0), dtype=np.uint8)
+                ptrs.append([h0 + j * _HEAD, s0 + at * n])
             names = [_name(keys[i]) for i in chunk]
             codes = self._call(
                 "batch_set", "batch_put_from_multi_buffers", names, ptrs, [[_HEAD, n]] * len(chunk)
