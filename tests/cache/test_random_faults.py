@@ -154,7 +154,7 @@ class ServerFaults(Faults):
             pick = self.rng.random()
             self.fired += 1
             self.kinds[kind] += 1
-        values = sorted(self.admin.keys("tkv:v:*"))
+        values = sorted(self.admin.keys("tkv:[vh]:*"))  # a page's bytes or its header
         if kind == "kill":
             self.admin.client_kill_filter(_type="normal", skipme=True)
         elif values:
@@ -169,13 +169,13 @@ class ServerFaults(Faults):
 
     def damaged(self, keys) -> list[int]:
         """Which of the store's ``keys`` hold a value this campaign damaged, right now."""
-        server_keys = [b"tkv:v:" + bytes(k) for k in keys]
-        now = self.admin.mget(server_keys) if server_keys else []
-        return [
-            i
-            for i, (k, v) in enumerate(zip(server_keys, now, strict=True))
-            if self.flipped.get(k) == v
-        ]
+        out = []
+        for i, k in enumerate(keys):  # the page's bytes or its header, as damaged
+            names = [b"tkv:v:" + bytes(k), b"tkv:h:" + bytes(k)]
+            now = self.admin.mget(names)
+            if any(v is not None and self.flipped.get(n) == v for n, v in zip(names, now)):  # noqa: B905
+                out.append(i)
+        return out
 
 
 def server_faulted_store_class(faults: ServerFaults, url: str) -> type[RedisStorage]:

@@ -48,30 +48,36 @@ def page(host, i) -> torch.Tensor:
     return host.get_page_bytes(i).clone()
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "torn", "other_namespace"])
+@pytest.mark.parametrize("where", ["payload", "header", "torn", "no_header", "other_namespace"])
 def test_a_damaged_value_is_a_counted_miss_and_is_deleted(server, host, ns, keys, where):
     store = RedisStorage(ns, host.page_nbytes, url=server.url)
     assert store.batch_set(keys[:3], host, [0, 1, 2]) == [True] * 3
-    r, name = raw(server), b"tkv:v:" + keys[1]
-    value = bytearray(r.get(name))
+    r, name, hname = raw(server), b"tkv:v:" + keys[1], b"tkv:h:" + keys[1]
+    value, header = bytearray(r.get(name)), bytearray(r.get(hname))
+    assert len(value) == host.page_nbytes and len(header) == value_format.HEADER_BYTES
     if where == "payload":
-        value[value_format.HEADER_BYTES + 17] ^= 0x01
+        value[17 % len(value)] ^= 0x01
     elif where == "header":
-        value[5] ^= 0x40
+        header[5] ^= 0x40
     elif where == "torn":
         value = value[: len(value) // 2]
+    elif where == "no_header":  # the server evicted the header alone
+        header = None
     else:  # a record written for another namespace under this key
         other = StorageNamespace.for_host_pool(host, tenant="someone-else", model="redis-test")
-        payload = bytes(value[value_format.HEADER_BYTES :])
-        value = bytearray(value_format.pack(other.fingerprint, payload, 0) + payload)
+        header = bytearray(value_format.pack(other.fingerprint, bytes(value), 0))
     r.set(name, bytes(value))
+    if header is None:
+        r.delete(hname)
+    else:
+        r.set(hname, bytes(header))
     untouched = page(host, 9)
     assert store.batch_get(keys[:3], host, [8, 9, 10]) == [True, False, True]
     assert torch.equal(page(host, 9), untouched)  # nothing of the damaged value reached it
     assert torch.equal(page(host, 8), page(host, 0)) and torch.equal(page(host, 10), page(host, 2))
     s = store.stats()
     assert (s.checksum_failures, s.hits, s.misses, s.pages) == (1, 2, 1, 2)
-    assert r.get(name) is None  # deleted: the next set writes it again
+    assert r.get(name) is None and r.get(hname) is None  # deleted: the next set writes it again
     assert store.batch_set(keys[1:2], host, [1]) == [True]
     assert store.batch_get(keys[1:2], host, [9]) == [True]
     assert torch.equal(page(host, 9), page(host, 1))
