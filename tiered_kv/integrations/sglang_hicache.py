@@ -11,11 +11,12 @@ SGLang loads it by module path::
 ``interface_v1: 1`` makes SGLang's ``HiCacheController`` call the zero-copy methods with host
 indices (``batch_exists``, ``batch_get_v1``, ``batch_set_v1``); without it the legacy
 ``batch_get`` / ``batch_set`` of flat pages work too. Pages go through our own store (the
-backend ``StorageConfig.storage_backend`` names: the embedded ``local`` store, ``redis``, or any
-``module.path:ClassName``), behind a ``GuardedStorage``: every value is verified on read (a
-damaged one is a miss, never served), and storage trouble is a counted miss; nothing raises
-into SGLang's storage threads. SGLang's page hashes (hex SHA-256 chains over the page tokens)
-are our chain digests, so a key is our namespace fingerprint followed by the hash's bytes.
+backend ``StorageConfig.storage_backend`` names: the embedded ``lmdb`` store, ``redis``,
+``mooncake``, or any ``module.path:ClassName``), behind a ``GuardedStorage``: every value is
+verified on read (a damaged one is a miss, never served), and storage trouble is a counted miss;
+nothing raises into SGLang's storage threads. SGLang's page hashes (hex SHA-256 chains over the
+page tokens) are our chain digests, so a key is our namespace fingerprint followed by the hash's
+bytes.
 
 Metrics: with ``enable_storage_metrics`` (SGLang's ``--enable-metrics``) ``get_stats`` returns
 SGLang's ``StorageMetrics`` of the batches since the last call (pages per prefetch / backup
