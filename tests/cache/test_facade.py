@@ -1038,8 +1038,13 @@ def test_a_prefix_shared_with_a_load_in_flight_waits_for_that_load(make_cache, g
     cache.manager.evict_device(1 << 30)
     real = cache.host_pool.load_to_device_per_layer
 
+    calls = []
+
     def slow(*args, **kwargs):
-        time.sleep(0.03)
+        # The first layer's copy holds the load for 0.5 s (enough on a loaded machine for the
+        # second begin to find it in flight); the others run at once.
+        calls.append(1)
+        time.sleep(0.5 if len(calls) == 1 else 0)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", slow)
