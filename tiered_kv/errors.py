@@ -47,6 +47,11 @@ class StorageOpenError(TieredKVError):
     """The store directory cannot be created, opened or written. The message says which path."""
 
 
+class ClientClosedError(TieredKVError):
+    """A call on a remote store's client that is closed or closing (stores count it as a
+    miss)."""
+
+
 class IntegrityError(TieredKVError):
     """A structure's invariants do not hold (a bug, never a user error): the message has the
     counts that disagree."""

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tiered_kv.errors import StorageOpenError, TieredKVError
+from tiered_kv.errors import ClientClosedError, StorageOpenError
 
 # The codes the store answers with that these stores tell apart (Mooncake's ErrorCode).
 OBJECT_NOT_FOUND = -704
@@ -36,10 +36,6 @@ CODE_NAMES = {
 
 def code_name(code: int) -> str:
     return CODE_NAMES.get(code, f"code {code}")
-
-
-class ClientClosedError(TieredKVError):
-    """A call on a client that is closed or closing."""
 
 
 class Connection(NamedTuple):
