@@ -50,6 +50,7 @@ class EvictionPolicyName(Name):
     LFU = "lfu"
     FIFO = "fifo"
     S3FIFO = "s3fifo"
+    GHOST_LRU = "ghost_lru"  # LRU with admission on the second sighting (a ghost list)
 
 
 class HostLayout(Name):

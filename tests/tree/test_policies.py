@@ -12,6 +12,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.tree.policies import (
     POLICIES,
     FIFOPolicy,
+    GhostLRUPolicy,
     LFUPolicy,
     LRUPolicy,
     S3FIFOPolicy,
@@ -232,7 +233,8 @@ def test_s3fifo_main_queue_first_when_small_queue_is_small():
 
 
 def test_make_policy_known_names():
-    for name, cls in zip(POLICIES, (LRUPolicy, LFUPolicy, FIFOPolicy, S3FIFOPolicy), strict=True):
+    classes = (LRUPolicy, LFUPolicy, FIFOPolicy, S3FIFOPolicy, GhostLRUPolicy)
+    for name, cls in zip(POLICIES, classes, strict=True):
         pol = make_policy(name)
         assert type(pol) is cls and pol.name == name
     # every call gets its own state

@@ -1,4 +1,5 @@
-"""Eviction policies for one tier of the prefix tree: LRU (default), LFU, FIFO and S3-FIFO.
+"""Eviction policies for one tier of the prefix tree: LRU (default), LFU, FIFO, S3-FIFO and
+ghost-LRU (LRU with admission on the second sighting).
 
 The tree hands a policy the nodes it may evict; the policy orders them by ``priority`` (lowest
 goes first). ``second_chance`` lets a policy keep a node it just picked (S3-FIFO moves a node
@@ -15,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
 
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import EvictionPolicyName, parse
 
 POLICIES = EvictionPolicyName.values()
@@ -159,8 +161,105 @@ class S3FIFOPolicy(EvictionPolicy):
         return True
 
 
+def admission_key(node: Any) -> Any:
+    """A node's identity for a ghost list, stable across evictions of the node: its first page's
+    chain digest when the tree keeps digests, else (its parent's id, its first token). A parent
+    keeps its id when it is split (the split makes a new front node above it), so children
+    re-inserted below it find their ghost entries; a collision only mis-admits a node."""
+    digests = getattr(node, "digests", None)
+    if digests:
+        return digests[0]
+    parent = node.parent
+    return (parent.id if parent is not None else 0, tuple(node.key[:1]))
+
+
+class GhostLRUPolicy(EvictionPolicy):
+    """LRU with admission on the second sighting. A node enters *probationary* unless its
+    :func:`admission_key` is in the ghost list (the keys of recently evicted nodes), in which
+    case it enters *protected*; a hit promotes a probationary node. While probationary nodes
+    hold more than ``probation_floor`` of the tier's tokens they are evicted first (least
+    recently used first), then the protected ones in LRU order. So a one-hit suffix is the
+    first victim instead of displacing reused blocks, and a block that comes back after being
+    evicted is kept like any reused one.
+
+    Only the order changes: the tree still offers only evictable nodes (a leaf on the device,
+    unlocked, no copy in flight), so a protected child keeps its probationary parent until the
+    child goes, and no child outlives its parent on a tier. ``ghost_limit`` bounds the ghost
+    list (entries, oldest forgotten first)."""
+
+    name = EvictionPolicyName.GHOST_LRU
+
+    def __init__(self, probation_floor: float = 0.0, ghost_limit: int = 1 << 17) -> None:
+        super().__init__()
+        if not 0.0 <= probation_floor < 1.0:
+            raise InvalidArgumentError(
+                f"probation_floor={probation_floor!r} must be in [0, 1): the share of the "
+                "tier's tokens probationary nodes keep before they stop going first"
+            )
+        if ghost_limit < 0:
+            raise InvalidArgumentError(f"ghost_limit={ghost_limit!r} must be >= 0")
+        self.probation_floor = probation_floor
+        self.ghost_limit = ghost_limit
+        self._ghost: OrderedDict[Any, None] = OrderedDict()
+        self.tokens = 0  # tokens of the nodes this tier holds
+        self.probation_tokens = 0  # of which in probationary nodes
+
+    def on_insert(self, node: Any) -> None:
+        returning = self._ghost.pop(admission_key(node), 0) is None
+        t = self.tick()
+        # state: [inserted, last access, hits, protected, tokens]
+        self._state[id(node)] = [t, t, 0, returning, len(node)]
+        self.tokens += len(node)
+        if not returning:
+            self.probation_tokens += len(node)
+
+    def on_hit(self, node: Any) -> None:
+        st = self._state.get(id(node))
+        if st is None:
+            return
+        st[1] = self.tick()
+        st[2] += 1
+        if not st[3]:
+            st[3] = True
+            self.probation_tokens -= st[4]
+
+    def on_remove(self, node: Any) -> None:
+        st = self._state.pop(id(node), None)
+        if st is None:
+            return
+        self.tokens -= st[4]
+        if not st[3]:
+            self.probation_tokens -= st[4]
+        if self.ghost_limit and node.parent is not None:
+            key = admission_key(node)
+            self._ghost[key] = None
+            self._ghost.move_to_end(key)
+            while len(self._ghost) > self.ghost_limit:
+                self._ghost.popitem(last=False)
+
+    def on_split(self, old: Any, new_parent: Any) -> None:
+        # Called after the cut: ``old`` is the back part; the two parts' tokens add up to the
+        # record's, so the tier's totals stay as they were.
+        st = self._state.get(id(old))
+        if st is not None:
+            self._state[id(new_parent)] = [*st[:4], len(new_parent)]
+            st[4] = len(old)
+
+    def in_ghost(self, node: Any) -> bool:
+        return admission_key(node) in self._ghost
+
+    def is_protected(self, node: Any) -> bool:
+        return bool(self._state[id(node)][3])
+
+    def priority(self, node: Any) -> tuple:
+        st = self._state[id(node)]
+        probation_first = self.probation_tokens > self.probation_floor * self.tokens
+        return (0 if (not st[3]) == probation_first else 1, st[1])
+
+
 def make_policy(name: str | EvictionPolicyName) -> EvictionPolicy:
     """A fresh policy object (its own per-node state) for one tier."""
     member = parse(EvictionPolicyName, name, "eviction policy")
-    classes = {c.name: c for c in (LRUPolicy, LFUPolicy, FIFOPolicy, S3FIFOPolicy)}
+    policies = (LRUPolicy, LFUPolicy, FIFOPolicy, S3FIFOPolicy, GhostLRUPolicy)
+    classes = {c.name: c for c in policies}
     return classes[member]()
