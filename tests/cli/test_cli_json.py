@@ -76,7 +76,8 @@ def _parse_cell(cell: str) -> dict[str, dict]:
 def readme_keys() -> dict[str, dict[str, dict]]:
     text = README.read_text()
     start = text.index("JSON output (`--json PATH`)")
-    rows = re.findall(r"^\| `([\w-]+)` \| (.+) \|$", text[start:], flags=re.M)
+    end = text.find("\n\n", text.index("\n|", start))  # that table only, not later ones
+    rows = re.findall(r"^\| `([\w-]+)` \| (.+) \|$", text[start:end], flags=re.M)
     return {command: _parse_cell(cell) for command, cell in rows}
 
 
@@ -260,10 +261,14 @@ def test_run_reference_fresh_empties_the_store(runs):
 # -- sim ------------------------------------------------------------------------------------------
 def _check_sim_rows(res: dict) -> None:
     for r in res["rows"]:
-        for k in ("device_rate", "host_rate", "storage_rate", "hit_rate", "optimal_rate"):
+        rates = ("device_rate", "host_rate", "storage_rate", "hit_rate", "effective_rate")
+        for k in (*rates, "total_rate"):
             assert 0.0 <= r[k] <= 1.0, (k, r)
         assert r["hit_rate"] == pytest.approx(r["device_rate"] + r["host_rate"] + r["storage_rate"])
-        assert r["hit_rate"] <= r["optimal_rate"] + 1e-12
+        assert r["hit_rate"] <= r["total_rate"] + 1e-12
+        assert r["effective_rate"] <= r["total_rate"]
+        if r["effective_rate"]:
+            assert r["of_optimum"] == pytest.approx(r["hit_rate"] / r["effective_rate"])
         assert r["device_blocks"] >= 1 and r["seconds"] >= 0
 
 
@@ -276,7 +281,7 @@ def test_sim_json_matches_readme_and_the_table(capsys, tmp_path):
     assert res["command"] == "sim"
     assert res["source"] == "multi-round"
     assert res["write_policy"] == "write_through" and res["inclusive_tiers"] is True
-    assert res["host_ratio"] == 1.0
+    assert res["host_ratio"] == 2.0
     assert res["requests"] == 3 * 2
     assert 0 < res["unique_blocks"] <= res["accesses"]
     assert [(r["capacity"], r["policy"]) for r in res["rows"]] == [
@@ -285,9 +290,14 @@ def test_sim_json_matches_readme_and_the_table(capsys, tmp_path):
     _check_sim_rows(res)
     for r in res["rows"]:
         assert r["device_blocks"] == max(1, round(r["capacity"] * res["unique_blocks"]))
-        assert r["host_blocks"] == r["device_blocks"] and r["storage_blocks"] == 0
+        assert r["host_blocks"] == 2 * r["device_blocks"] and r["storage_blocks"] == 0
     # A larger capacity never lowers the optimum.
-    assert res["rows"][-1]["optimal_rate"] >= res["rows"][0]["optimal_rate"]
+    assert res["rows"][-1]["effective_rate"] >= res["rows"][0]["effective_rate"]
+    assert res["of_optimum_uses"] == "effective"
+    for r in res["rows"]:  # write_through, host = 2 x device: inclusive, host blocks distinct
+        assert r["effective_blocks"] == r["host_blocks"] == 2 * r["device_blocks"]
+        assert r["total_blocks"] == 3 * r["device_blocks"]
+    assert any(r["host_rate"] > 0 for r in res["rows"])  # the default shows the host tier
 
     assert (
         f"multi-round: {res['requests']} requests, {res['accesses']} block accesses, "
@@ -299,7 +309,8 @@ def test_sim_json_matches_readme_and_the_table(capsys, tmp_path):
             r["policy"],
             *(f"{100 * r[k]:.1f}%" for k in ("device_rate", "host_rate", "storage_rate")),
             f"{100 * r['hit_rate']:.1f}%",
-            f"{100 * r['optimal_rate']:.1f}%",
+            f"{100 * r['effective_rate']:.1f}% ({r['effective_blocks']})",
+            f"{100 * r['total_rate']:.1f}% ({r['total_blocks']})",
         ]
         assert re.search(r"^" + r"\s+".join(map(re.escape, cells)), out, flags=re.M), cells
 
@@ -335,7 +346,7 @@ def test_sim_trace_file(capsys, tmp_path):
         # Room for every block: each block misses once, then always hits.
         assert r["device_blocks"] == unique
         assert r["hit_rate"] == pytest.approx((accesses - unique) / accesses)
-        assert r["optimal_rate"] == pytest.approx((accesses - unique) / accesses)
+        assert r["effective_rate"] == pytest.approx((accesses - unique) / accesses)
     for r in res["rows"]:
         assert r["storage_blocks"] == 3
     assert [r["device_blocks"] for r in res["rows"] if r["capacity"] == 2] == [2, 2]
@@ -352,6 +363,60 @@ def test_sim_plot_writes_a_png(capsys, tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1000
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "under-a-file", "a-directory"])
+def test_sim_unwritable_plot_path_fails_before_any_work(capsys, tmp_path, monkeypatch, where):
+    from tiered_kv.cli import sim_cmd
+
+    def no_work(*a, **k):
+        raise AssertionError("the sweep ran before the plot path was checked")
+
+    monkeypatch.setattr(sim_cmd, "sweep", no_work)
+    monkeypatch.setattr(sim_cmd, "load_trace", no_work)
+    if where == "missing-dir":
+        png = tmp_path / "nowhere" / "hit.png"
+    elif where == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        png = tmp_path / "file" / "hit.png"
+    else:
+        png = tmp_path / "dir.png"
+        png.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", *SIM_ARGS, "--plot", str(png)])
+    assert exc.value.code == 2
+    assert f"--plot {png}: cannot write there" in capsys.readouterr().err
+
+
+def test_sim_json_is_written_before_a_plot_that_fails(capsys, tmp_path, monkeypatch):
+    from tiered_kv.sim import plot as plot_mod
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plot_mod, "plot", broken)
+    path = tmp_path / "sim.json"
+    with pytest.raises(OSError, match="No space left"):
+        main(
+            [
+                "sim",
+                *SIM_ARGS,
+                "--policies",
+                "lru",
+                "--json",
+                str(path),
+                "--plot",
+                str(tmp_path / "p.png"),
+            ]
+        )
+    assert json.loads(path.read_text())["rows"]
+
+
+def test_sim_log_capacity_plot_with_storage(capsys, tmp_path):
+    png = tmp_path / "log.png"
+    argv = ["sim", *SIM_ARGS, "--storage", "0.5", "--write-policy", "write_back"]
+    assert main([*argv, "--log-capacity", "--jobs", "1", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- bench ----------------------------------------------------------------------------------------

@@ -456,13 +456,17 @@ def test_sweep_smoke(host_ratio, storage, write_policy):
     for r in rows:
         assert r["device_blocks"] == expected_device[r["capacity"]]
         assert r["host_blocks"] == int(r["device_blocks"] * host_ratio)
-        for key in ("device_rate", "host_rate", "storage_rate", "hit_rate", "optimal_rate"):
+        rates = ("device_rate", "host_rate", "storage_rate", "hit_rate", "effective_rate")
+        for key in (*rates, "total_rate"):
             assert 0.0 <= r[key] <= 1.0, (key, r)
-        assert r["hit_rate"] <= r["optimal_rate"] + 1e-12
+        assert r["hit_rate"] <= r["total_rate"] + 1e-12
+        assert r["effective_rate"] <= r["total_rate"]
+        assert r["effective_blocks"] <= r["total_blocks"]
         assert r["hit_rate"] == pytest.approx(r["device_rate"] + r["host_rate"] + r["storage_rate"])
         if not host_ratio:
             assert r["host_rate"] == 0.0 and r["storage_rate"] == 0.0
     # With the whole trace fitting on the device, every policy reaches the optimum.
     full = [r for r in rows if r["capacity"] == 1.0]
-    assert all(r["hit_rate"] == pytest.approx(r["optimal_rate"]) for r in full)
-    assert full[0]["optimal_rate"] > 0
+    assert all(r["hit_rate"] == pytest.approx(r["effective_rate"]) for r in full)
+    assert all(r["of_optimum"] == pytest.approx(1.0) for r in full)
+    assert full[0]["effective_rate"] > 0

@@ -1,44 +1,46 @@
 """Trace-driven hit-rate experiments: no KV bytes, the cache's own tree and policies.
 
-Input: a Mooncake-format JSONL trace (--trace) or a generated one (multi-round QA or long-document
-QA). For each device capacity (a fraction of the trace's unique blocks, or a block count) and each
-eviction policy (used on both tiers), the trace is replayed through the same TieredRadixCache
-the serving cache runs, and the hit rate per tier and overall is printed next to the offline
-bound at the same total capacity (Belady's MIN over the block accesses: no policy can hit more
-blocks). Tiers are inclusive under write_through (the host keeps a copy of what the device
-holds), so a host no larger than the device adds little there; hits are counted at the fastest
-tier holding a block.
+Input: a Mooncake-format JSONL trace (--trace) or a generated one (multi-round QA, long-document
+QA, or a Mooncake-style conversation trace). For each device capacity (a fraction of the trace's
+unique blocks, or a block count) and each eviction policy, the trace is replayed through the same
+TieredRadixCache the serving cache runs (rows in parallel processes, ``--jobs``), and the hit
+rate per tier and overall is printed next to two offline bounds (Belady's MIN over the block
+accesses): at the configuration's effective capacity (what "of optimum" divides by) and at
+device + host + storage, which no policy may exceed (the run fails if one does). The default
+host is 2 x the device (SGLang's default ``--hicache-ratio``) under write_through, so a default
+run shows host hits.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
-
-from tqdm import tqdm
 
 from tiered_kv.cli.args import capacity_list, name_list, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import WritePolicy
-from tiered_kv.sim.belady import access_sequence, belady_hits
-from tiered_kv.sim.simulator import SimCache
+from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.traces import (
     REPEAT_MODES,
+    conversation,
     load_mooncake,
     long_doc_qa,
     multi_round_qa,
-    unique_blocks,
 )
 from tiered_kv.tree.policies import POLICIES
+
+__all__ = ["add_arguments", "load_trace", "main", "sweep", "validate"]
 
 HELP = "replay a trace against tier capacities and policies; compare with the offline optimum"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="JSONL", help="Mooncake trace (else --generator)")
-    p.add_argument("--generator", choices=("multi-round", "long-doc"), default="multi-round")
+    p.add_argument(
+        "--generator", choices=("multi-round", "long-doc", "conversation"), default="multi-round"
+    )
     p.add_argument("--max-requests", type=non_negative_int, default=0, help="0: all")
     p.add_argument(
         "--capacities",
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="0.05,0.1,0.25,0.5",
         help="device capacities: fractions of the unique blocks, or block counts",
     )
-    p.add_argument("--host-ratio", type=float, default=1.0, help="host capacity / device")
+    p.add_argument("--host-ratio", type=float, default=2.0, help="host capacity / device")
     p.add_argument(
         "--storage",
         type=float,
@@ -66,7 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="host eviction policy; 'same': the device's",
     )
     p.add_argument("--write-policy", choices=WritePolicy.values(), default="write_through")
-    p.add_argument("--plot", metavar="PATH.png", help="hit rate against capacity")
+    p.add_argument("--plot", metavar="PATH.png", help="hit rate against capacity, per-tier split")
+    p.add_argument("--log-capacity", action="store_true", help="the plot's capacity axis in log")
+    p.add_argument(
+        "--jobs", type=positive_int, default=os.cpu_count() or 1, help="worker processes"
+    )
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("generators")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
@@ -80,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--document-length", type=positive_int, default=4096, help="tokens")
     g.add_argument("--questions", type=positive_int, default=3)
     g.add_argument("--repeat", choices=REPEAT_MODES, default="random")
+    g.add_argument("--requests", type=positive_int, default=12031, help="conversation")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -92,6 +99,13 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--storage needs a host tier (--host-ratio > 0)")
     if args.plot and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot {args.plot} must be a .png path")
+    if args.plot:
+        # Refused before the run: a sweep can take minutes, and its plot is written last.
+        parent = os.path.dirname(os.path.abspath(args.plot))
+        if os.path.isdir(args.plot) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            parser.error(f"--plot {args.plot}: cannot write there (is {parent} a writable folder?)")
+        if os.path.exists(args.plot) and not os.access(args.plot, os.W_OK):
+            parser.error(f"--plot {args.plot}: the file exists and is not writable")
     if args.trace:
         try:
             with open(args.trace, "rb"):
@@ -114,6 +128,8 @@ def load_trace(args):
             block_size=args.block_size,
             seed=args.seed,
         )
+    elif args.generator == "conversation":
+        trace = conversation(requests=args.requests, seed=args.seed)
     else:
         trace = long_doc_qa(
             documents=args.documents,
@@ -124,71 +140,6 @@ def load_trace(args):
             seed=args.seed,
         )
     return trace[: args.max_requests] if args.max_requests else trace
-
-
-def _blocks(value: float, unique: int) -> int:
-    return max(1, int(value) if value > 1 else int(round(value * unique)))
-
-
-def sweep(
-    trace,
-    capacities,
-    policies,
-    host_ratio,
-    storage,
-    write_policy,
-    progress=True,
-    host_policy: str = "same",
-) -> dict:
-    unique = unique_blocks(trace)
-    accesses = access_sequence(trace)
-    storage_blocks = _blocks(storage, unique) if storage else 0
-    rows, bounds = [], {}
-    steps = [(c, p) for c in capacities for p in policies]
-    for cap, policy in tqdm(steps, desc="simulating", unit="run", disable=not progress):
-        device = _blocks(cap, unique)
-        host = int(device * host_ratio)
-        total = device + host + storage_blocks
-        if total not in bounds:
-            bounds[total] = belady_hits(accesses, total)
-        t = time.perf_counter()
-        sim = SimCache(
-            device,
-            host,
-            storage_blocks,
-            device_policy=policy,
-            host_policy=policy if host_policy == "same" else host_policy,
-            write_policy=write_policy,
-        )
-        res = sim.run(trace)
-        hits = res.device + res.host + res.storage
-        if hits > bounds[total]:
-            raise InvalidArgumentError(
-                f"policy {policy} at {total} blocks hit {hits} blocks, above Belady's "
-                f"{bounds[total]}: the bound or the simulator is wrong"
-            )
-        rows.append(
-            {
-                "capacity": cap,
-                "device_blocks": device,
-                "host_blocks": host,
-                "storage_blocks": storage_blocks,
-                "policy": policy,
-                "host_policy": policy if host_policy == "same" else host_policy,
-                "device_rate": res.rate("device"),
-                "host_rate": res.rate("host"),
-                "storage_rate": res.rate("storage"),
-                "hit_rate": res.hit_rate,
-                "optimal_rate": bounds[total] / len(accesses) if accesses else 0.0,
-                "seconds": time.perf_counter() - t,
-            }
-        )
-    return {
-        "unique_blocks": unique,
-        "accesses": len(accesses),
-        "requests": len(trace),
-        "rows": rows,
-    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -210,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
         args.write_policy,
         progress=not args.no_progress,
         host_policy=args.host_policy,
+        jobs=args.jobs,
     )
     result.update(
         {
@@ -225,71 +177,45 @@ def main(args: argparse.Namespace) -> int:
         f"accesses, {result['unique_blocks']} unique blocks; write policy "
         f"{args.write_policy}, host = {args.host_ratio:g} x device"
     )
+    print(table(HEADERS, [table_row(r) for r in result["rows"]]))
     print(
-        table(
-            [
-                "capacity",
-                "policy",
-                "device",
-                "host",
-                "storage",
-                "hit rate",
-                "optimum",
-                "of optimum",
-            ],
-            [
-                [
-                    f"{r['capacity']:g} ({r['device_blocks']} blk)",
-                    r["policy"]
-                    if r["host_policy"] == r["policy"]
-                    else f"{r['policy']} / host {r['host_policy']}",
-                    f"{100 * r['device_rate']:.1f}%",
-                    f"{100 * r['host_rate']:.1f}%",
-                    f"{100 * r['storage_rate']:.1f}%",
-                    f"{100 * r['hit_rate']:.1f}%",
-                    f"{100 * r['optimal_rate']:.1f}%",
-                    f"{r['hit_rate'] / r['optimal_rate']:.2f}" if r["optimal_rate"] else "-",
-                ]
-                for r in result["rows"]
-            ],
-        )
+        "effective: Belady at the blocks this configuration can hold (write_through: "
+        "max(device, host, storage); write_through_selective: device + max(host, storage); "
+        "write_back: the sum), what 'of optimum' divides by; total: Belady at device + host + "
+        "storage, which no row exceeds"
     )
-    if args.plot:
-        plot(result, args.plot)
-        print(f"plot: {args.plot}")
+    # The JSON first: a plot that fails (no matplotlib, a full disk) must not lose the sweep.
     write_json(args.json, result)
+    if args.plot:
+        from tiered_kv.sim.plot import plot
+
+        plot(result, args.plot, log_capacity=args.log_capacity)
+        print(f"plot: {args.plot}")
     return 0
 
 
-def plot(result: dict, path: str) -> None:
-    import matplotlib
+HEADERS = [
+    "capacity",
+    "policy",
+    "device",
+    "host",
+    "storage",
+    "hit rate",
+    "effective (blk)",
+    "total (blk)",
+    "of optimum",
+]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = result["rows"]
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        mine = [r for r in rows if r["policy"] == policy]
-        ax.plot(
-            [r["device_blocks"] for r in mine],
-            [100 * r["hit_rate"] for r in mine],
-            marker="o",
-            label=policy,
-        )
-    first = [r for r in rows if r["policy"] == rows[0]["policy"]]
-    ax.plot(
-        [r["device_blocks"] for r in first],
-        [100 * r["optimal_rate"] for r in first],
-        "k--",
-        marker="s",
-        label="optimum (Belady)",
-    )
-    ax.set_xlabel("device capacity (blocks)")
-    ax.set_ylabel("block hit rate (%)")
-    ax.set_title(f"{result['source']}: hit rate vs capacity")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def table_row(r: dict) -> list[str]:
+    policy = r["policy"]
+    if r["host_policy"] != policy:
+        policy = f"{policy} / host {r['host_policy']}"
+    return [
+        f"{r['capacity']:g} ({r['device_blocks']} blk)",
+        policy,
+        *(f"{100 * r[k]:.1f}%" for k in ("device_rate", "host_rate", "storage_rate", "hit_rate")),
+        f"{100 * r['effective_rate']:.1f}% ({r['effective_blocks']})",
+        f"{100 * r['total_rate']:.1f}% ({r['total_blocks']})",
+        "-" if r["of_optimum"] is None else f"{r['of_optimum']:.2f}",
+    ]

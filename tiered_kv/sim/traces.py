@@ -173,3 +173,77 @@ def long_doc_qa(
         blocks = chain.ids(doc + ask)
         out.append(TraceRequest(blocks, float(t), question_length, len(blocks) * block_size))
     return out
+
+
+def conversation(
+    *,
+    requests: int = 12031,
+    system_prompts: int = 8,
+    system_blocks: tuple[int, int] = (2, 12),
+    first_turn_blocks: tuple[int, int] = (2, 24),
+    turn_blocks: tuple[int, int] = (1, 4),
+    mean_turns: float = 3.0,
+    mean_gap_ms: float = 300.0,
+    mean_think_ms: float = 60_000.0,
+    block_size: int = 512,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """A Mooncake-style conversation trace: sessions arrive at exponential gaps
+    (``mean_gap_ms``), each opens with one of ``system_prompts`` shared system prompts and a
+    first user turn, and every later turn resends the whole conversation so far (its ids extend
+    the previous turn's) plus the answer and a new question, after an exponential think time.
+    Turns per session are geometric with mean ``mean_turns``. Requests are ordered by
+    timestamp (ms, as in Mooncake's traces); ranges are inclusive block counts."""
+    for name, v in (("requests", requests), ("system_prompts", system_prompts)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InvalidArgumentError(f"{name}={v!r} must be an int >= 1")
+    for name, (lo, hi) in (
+        ("system_blocks", system_blocks),
+        ("first_turn_blocks", first_turn_blocks),
+        ("turn_blocks", turn_blocks),
+    ):
+        if not 1 <= lo <= hi:
+            raise InvalidArgumentError(f"{name}=({lo}, {hi}) must satisfy 1 <= low <= high")
+    if mean_turns < 1:
+        raise InvalidArgumentError(f"mean_turns={mean_turns} must be >= 1")
+    rng = random.Random(seed)
+    chain = _Chain()
+    system = [
+        [("sys", s, i) for i in range(rng.randint(*system_blocks))] for s in range(system_prompts)
+    ]
+    pending: list[tuple[float, int, tuple[int, ...], int]] = []
+    t, session = 0.0, 0
+    while len(pending) < requests:
+        t += rng.expovariate(1.0 / mean_gap_ms)
+        contents = list(system[min(int(rng.paretovariate(1.2)) - 1, system_prompts - 1)])
+        contents += [("u", session, 0, i) for i in range(rng.randint(*first_turn_blocks))]
+        at, turn = t, 0
+        while len(pending) < requests:
+            output = rng.randint(16, 700)
+            pending.append((at, len(pending), chain.ids(contents), output))
+            if rng.random() < 1.0 / mean_turns:
+                break
+            turn += 1
+            at += rng.expovariate(1.0 / mean_think_ms)
+            # The answer (output tokens, rounded up to blocks) then the next question.
+            contents += [("a", session, turn, i) for i in range(_blocks(output, block_size))]
+            contents += [("u", session, turn, i) for i in range(rng.randint(*turn_blocks))]
+        session += 1
+    pending.sort()
+    return [
+        TraceRequest(ids, round(at), output, len(ids) * block_size - rng.randrange(block_size))
+        for at, _, ids, output in pending
+    ]
+
+
+def write_mooncake(trace: list[TraceRequest], path: str | Path) -> None:
+    """Write ``trace`` as Mooncake JSONL (``load_mooncake`` reads it back)."""
+    with open(path, "w") as f:
+        for r in trace:
+            row = {
+                "timestamp": int(r.timestamp),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.blocks),
+            }
+            f.write(json.dumps(row) + "\n")
