@@ -16,6 +16,7 @@ import pytest
 
 from tiered_kv.cli import run_cmd
 from tiered_kv.cli.main import main
+from tiered_kv.tree.policies import POLICIES
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -285,7 +286,7 @@ def test_sim_json_matches_readme_and_the_table(capsys, tmp_path):
     assert res["requests"] == 3 * 2
     assert 0 < res["unique_blocks"] <= res["accesses"]
     assert [(r["capacity"], r["policy"]) for r in res["rows"]] == [
-        (c, p) for c in (0.2, 0.5) for p in ("lru", "lfu", "fifo", "s3fifo")
+        (c, p) for c in (0.2, 0.5) for p in POLICIES
     ]
     _check_sim_rows(res)
     for r in res["rows"]:
