@@ -105,3 +105,12 @@ def test_conversation_rejects_bad_sizes(kwargs):
 
     with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
         conversation(**kwargs)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_progress_counts_rows_and_requests(capsys, jobs):
+    trace = _mrq()
+    sweep(trace, [0.2, 0.5], ["lru"], 2.0, 0, "write_through", True, jobs=jobs)
+    err = capsys.readouterr().err
+    assert f"{2 * len(trace)}/{2 * len(trace)}" in err  # requests replayed, all rows
+    assert "rows 2/2" in err
