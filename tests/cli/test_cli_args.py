@@ -85,7 +85,7 @@ SIM_ERRORS = [
     (["--capacities", ","], ["--capacities", "no capacities"]),
     (["--plot", "hit.jpg"], ["--plot hit.jpg", ".png"]),
     (["--plot", "/nonexistent-dir/hit.png"], ["--plot /nonexistent-dir/hit.png", "cannot write"]),
-    (["--jobs", "0"], ["--jobs", "'0'"]),
+    (["--jobs", "0"], ["--jobs", "0 must be >= 1"]),
     (["--generator", "chat"], ["--generator", "conversation"]),
     (["--storage", "0.5", "--host-ratio", "0"], ["--storage", "--host-ratio"]),
     (["--storage", "-1"], ["--storage -1"]),
