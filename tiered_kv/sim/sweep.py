@@ -151,6 +151,11 @@ def _task(kind: str, arg):
     return _replay(arg) if kind == "row" else _bound(arg)
 
 
+def _cost(task: tuple) -> int:
+    kind, arg = task
+    return arg.device_blocks + arg.host_blocks if kind == "row" else -1
+
+
 def check_bounds(rows: list[dict]) -> None:
     """Raise :class:`BoundExceededError` naming the first row whose hits exceed Belady's at
     its total capacity (device + host + storage)."""
@@ -210,7 +215,10 @@ def sweep(
         ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
         counter = ctx.Value("q", 0)
         with ProcessPoolExecutor(jobs, ctx, initializer=_init, initargs=(trace, counter)) as pool:
-            pending = {pool.submit(_task, kind, arg): i for i, (kind, arg) in enumerate(tasks)}
+            # Largest rows first (a bigger tree makes every eviction dearer), the short bounds
+            # last: the workers then finish together instead of one running the last big row.
+            first = sorted(range(len(tasks)), key=lambda i: -_cost(tasks[i]))
+            pending = {pool.submit(_task, *tasks[i]): i for i in first}
             while pending:
                 done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 for f in done:
