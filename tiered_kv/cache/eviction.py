@@ -21,7 +21,7 @@ from tiered_kv.errors import StateError
 from tiered_kv.names import PendingKind, Tier, WritePolicy
 from tiered_kv.tree.node import TreeNode, walk
 from tiered_kv.tree.tiered_tree import TieredTree
-from tiered_kv.tree.victims import victims
+from tiered_kv.tree.victims import device_resident_last, victims
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +120,9 @@ class Evictor:
         if self.host is None:
             return 0
         self.book.poll()
-        rank = None
-        if self.write_policy is WritePolicy.WRITE_THROUGH:
-            # Inclusive tiers: host-only nodes go first, the host copies of device-resident
-            # ones only when nothing else can.
-            def rank(n: TreeNode) -> int:
-                return 1 if n.on_device else 0
-
+        # Inclusive tiers: host-only nodes go first, the host copies of device-resident ones
+        # only when nothing else can.
+        rank = device_resident_last if self.write_policy is WritePolicy.WRITE_THROUGH else None
         freed, queue = 0, victims(self.tree, Tier.HOST, rank)
         nodes = self.metrics.host.evicted_nodes
         while freed < num_tokens:

@@ -6,7 +6,8 @@ long as the key; no slot owned twice; policies track exactly the resident nodes)
 lock and host refs at least its children's sum, never negative), digests (each node's digests
 are the page chain from its parent's last digest, where the tree keeps digests), pending marks
 (each names a job the tree knows, which lists the node; with ``jobs``, only jobs in flight), and
-the residency counters against a walk.
+the residency counters against a walk, and that every evictable node is in its tier's victim
+queue (or marked to be looked at).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tiered_kv.errors import IntegrityError
 from tiered_kv.storage.keys import page_digests
 from tiered_kv.tree.node import first_page, walk
 from tiered_kv.tree.tiered_tree import TieredTree
+from tiered_kv.tree.victims import unqueued
 
 
 def check_tree(tree: TieredTree, *, jobs: set | None = None) -> None:
@@ -84,4 +86,11 @@ def check_tree(tree: TieredTree, *, jobs: set | None = None) -> None:
         raise IntegrityError(
             f"residency counters (device, host, evictable device tokens) = {counted}, but the "
             f"tree holds {(dev_tokens, host_tokens, evictable)} over {nodes} nodes"
+        )
+    missing = unqueued(tree)
+    if missing:
+        tier, n = missing[0]
+        raise IntegrityError(
+            f"{n!r}: evictable from the {tier.value} but not in its victim queue "
+            f"({len(missing)} such nodes over {nodes} nodes)"
         )

@@ -63,6 +63,18 @@ class EvictionPolicy(ABC):
     def priority(self, node: Any) -> tuple:
         """Lower is evicted first."""
 
+    # The victim queue keeps one heap per bucket: ``priority`` is (the bucket's rank now,
+    # *``order``), ``order`` only grows while a node stays in its bucket, and a node changes
+    # bucket only on an insert, a hit, a split or a second chance.
+    def bucket(self, node: Any) -> Any:
+        return 0
+
+    def bucket_rank(self, bucket: Any) -> int:
+        return 0
+
+    def order(self, node: Any) -> tuple:
+        return self.priority(node)
+
     def second_chance(self, node: Any) -> bool:
         return False
 
@@ -143,10 +155,18 @@ class S3FIFOPolicy(EvictionPolicy):
     def _small_first(self) -> bool:
         return self._small >= self.small_fraction * max(1, len(self._state))
 
+    def bucket(self, node: Any) -> Any:
+        return self._state[id(node)][1]
+
+    def bucket_rank(self, bucket: Any) -> int:
+        return 0 if bucket == ("S" if self._small_first() else "M") else 1
+
+    def order(self, node: Any) -> tuple:
+        return (self._state[id(node)][0],)
+
     def priority(self, node: Any) -> tuple:
         order, q, _freq = self._state[id(node)]
-        first = "S" if self._small_first() else "M"
-        return (0 if q == first else 1, order)
+        return (self.bucket_rank(q), order)
 
     def second_chance(self, node: Any) -> bool:
         st = self._state[id(node)]
@@ -251,10 +271,19 @@ class GhostLRUPolicy(EvictionPolicy):
     def is_protected(self, node: Any) -> bool:
         return bool(self._state[id(node)][3])
 
+    def bucket(self, node: Any) -> Any:
+        return bool(self._state[id(node)][3])  # True: protected
+
+    def bucket_rank(self, bucket: Any) -> int:
+        probation_first = self.probation_tokens > self.probation_floor * self.tokens
+        return 0 if (not bucket) == probation_first else 1
+
+    def order(self, node: Any) -> tuple:
+        return (self._state[id(node)][1],)
+
     def priority(self, node: Any) -> tuple:
         st = self._state[id(node)]
-        probation_first = self.probation_tokens > self.probation_floor * self.tokens
-        return (0 if (not st[3]) == probation_first else 1, st[1])
+        return (self.bucket_rank(bool(st[3])), st[1])
 
 
 def make_policy(name: str | EvictionPolicyName) -> EvictionPolicy:

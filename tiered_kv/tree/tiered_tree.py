@@ -25,6 +25,7 @@ from tiered_kv.names import JobId, PendingKind
 from tiered_kv.storage.keys import page_digests
 from tiered_kv.tree.node import TreeNode, common_pages, first_page, path_to_root, walk
 from tiered_kv.tree.policies import EvictionPolicy, make_policy
+from tiered_kv.tree.victim_queue import VictimQueue
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -72,6 +73,14 @@ class TieredTree:
         self.host_tokens = 0
         self.evictable_device_tokens = 0  # on the device with lock_ref == 0
         self._jobs: dict[JobId, tuple[PendingKind, list[TreeNode]]] = {}
+        # Each tier's evictable nodes in policy order, told of every change that may matter.
+        self.device_queue = VictimQueue()
+        self.host_queue = VictimQueue()
+
+    def _mark(self, node: TreeNode | None) -> None:
+        if node is not None:
+            self.device_queue.mark(node)
+            self.host_queue.mark(node)
 
     def nodes(self) -> list[TreeNode]:
         return list(walk(self.root))
@@ -131,6 +140,7 @@ class TieredTree:
         path = list(reversed(list(path_to_root(node))))
         for n in path:
             n.hit_count += 1
+            self._mark(n)
             if n.on_device:
                 self.device_policy.on_hit(n)
             if n.on_host:
@@ -209,6 +219,7 @@ class TieredTree:
             raise StateError(f"set_device on {node!r} with {len(slots)} slots")
         node.device = slots
         self.device_policy.on_insert(node)
+        self._mark(node)
         self.device_tokens += len(node)
         if node.lock_ref == 0:
             self.evictable_device_tokens += len(node)
@@ -221,6 +232,8 @@ class TieredTree:
         node.device = None
         node.stale = False
         self.device_policy.on_remove(node)
+        self._mark(node)
+        self._mark(node.parent)  # may be a device leaf now
         self.device_tokens -= len(node)
         if node.lock_ref == 0:
             self.evictable_device_tokens -= len(node)
@@ -231,6 +244,7 @@ class TieredTree:
             raise StateError(f"set_host on {node!r} with {len(slots)} slots")
         node.host = slots
         self.host_policy.on_insert(node)
+        self._mark(node)
         self.host_tokens += len(node)
 
     def take_host(self, node: TreeNode) -> torch.Tensor:
@@ -264,6 +278,7 @@ class TieredTree:
 
     def _unlink(self, node: TreeNode) -> None:
         del node.parent.children[first_page(node.key, self.page_size)]
+        self._mark(node.parent)  # may be a leaf now
         node.parent = None
 
     def mark_stale(self, node: TreeNode) -> None:
@@ -297,6 +312,7 @@ class TieredTree:
             n.lock_ref -= 1
             if n.lock_ref == 0 and n.on_device:
                 self.evictable_device_tokens += len(n)
+                self._mark(n)
         freed = []
         for n in path:  # deepest first, so device residency stays prefix-closed
             if n.stale and n.lock_ref == 0 and n.on_device and not n.pending:
@@ -315,6 +331,8 @@ class TieredTree:
                 raise InvalidArgumentError(f"dec_host_ref on unprotected {n!r}")
         for n in path:
             n.host_ref -= 1
+            if n.host_ref == 0:
+                self._mark(n)
 
     # -- copies in flight -----------------------------------------------------------------------
     def begin_job(self, job_id: JobId, kind: PendingKind, nodes: list[TreeNode]) -> None:
@@ -329,6 +347,7 @@ class TieredTree:
         for n in nodes:
             if n.pending.get(kind) == job_id:
                 del n.pending[kind]
+                self._mark(n)
         return nodes
 
     def job_nodes(self, job_id: JobId) -> list[TreeNode]:
@@ -373,4 +392,5 @@ class TieredTree:
             self.device_policy.on_split(node, front)
         if node.on_host:
             self.host_policy.on_split(node, front)
+        self._mark(front)  # the back half's evictability and order are unchanged
         return front

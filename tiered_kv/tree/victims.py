@@ -10,13 +10,12 @@ can).
 
 :func:`victims` *yields* candidates; it frees nothing. The caller acts on each (frees its slots,
 writes it back first, or skips it) before asking for the next; a parent that became evictable
-meanwhile joins the queue then.
+meanwhile joins the queue then. The candidates come from the tree's per-tier
+:class:`~tiered_kv.tree.victim_queue.VictimQueue`, not from a walk.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable, Iterator
 
 from tiered_kv.errors import InvalidArgumentError
@@ -51,33 +50,51 @@ def victims(
     tree: TieredTree, tier: Tier, rank: Callable[[TreeNode], int] | None = None
 ) -> Iterator[TreeNode]:
     """Evictable nodes of ``tier`` (device or host), lowest ``rank`` then policy priority first.
-    Each yielded node is evictable at the moment it is yielded."""
+    Each yielded node is evictable at the moment it is yielded. ``rank`` should be one function
+    kept for the tier (a different one re-sorts the tier's queue from a walk)."""
     if tier is Tier.DEVICE:
-        policy, evictable = tree.device_policy, device_evictable
+        policy, evictable, queue = tree.device_policy, device_evictable, tree.device_queue
     elif tier is Tier.HOST:
-        policy, evictable = tree.host_policy, host_evictable
+        policy, evictable, queue = tree.host_policy, host_evictable, tree.host_queue
     else:
         raise InvalidArgumentError(f"tier={tier!r}: the tree evicts from device or host only")
+    bucket, order = policy.bucket, policy.order
 
-    def key(n: TreeNode) -> tuple:
-        return ((rank(n),) if rank else ()) + tuple(policy.priority(n))
+    def keyof(n: TreeNode) -> tuple:
+        return (bucket(n), rank(n) if rank else 0, order(n))
 
-    heap, order = [], itertools.count()
-    for n in walk(tree.root):
-        if evictable(n):
-            heapq.heappush(heap, (key(n), next(order), n))
-    while heap:
-        prio, _, n = heapq.heappop(heap)
-        if not evictable(n):
-            continue
-        now = key(n)
-        if now != prio:
-            heapq.heappush(heap, (now, next(order), n))
-            continue
+    queue.prepare(rank, lambda: walk(tree.root), evictable, keyof)
+    while True:
+        n = queue.pop(evictable, keyof, policy.bucket_rank)
+        if n is None:
+            return
         if policy.second_chance(n):
-            heapq.heappush(heap, (key(n), next(order), n))
+            queue.offer(n, keyof(n))
             continue
         parent = n.parent
+        queue.mark(n)  # seen again at the next eviction if the caller leaves it
         yield n
         if parent is not None and evictable(parent):
-            heapq.heappush(heap, (key(parent), next(order), parent))
+            queue.offer(parent, keyof(parent))
+
+
+def unqueued(tree: TieredTree) -> list[tuple[Tier, TreeNode]]:
+    """Evictable nodes that their tier's queue would not offer in time (for ``check_tree``:
+    always empty unless a change to the tree was not marked)."""
+    out = []
+    for tier, policy, evictable, queue in (
+        (Tier.DEVICE, tree.device_policy, device_evictable, tree.device_queue),
+        (Tier.HOST, tree.host_policy, host_evictable, tree.host_queue),
+    ):
+        rank = queue.rank_fn
+        for n in walk(tree.root):
+            if evictable(n):
+                key = (policy.bucket(n), rank(n) if rank else 0, policy.order(n))
+                if not queue.covers(n, key):
+                    out.append((tier, n))
+    return out
+
+
+def device_resident_last(n: TreeNode) -> int:
+    """The host's rank under inclusive tiers: host-only nodes first."""
+    return 1 if n.on_device else 0
