@@ -6,14 +6,17 @@ the device's capacity (``tiered_kv.sim.belady``), the most block hits any cache 
 blocks can get. Capacities are fractions of the trace's unique blocks.
 
 Traces: the Mooncake JSONL files given with ``--trace`` (default: the shared synthetic trace when
-it exists), and for each ``--seeds`` seed a multi-round QA trace and a long-document QA trace
-(``tiered_kv.sim.traces`` generators, sized so that one request fits the smallest capacity:
-a prefix cache cannot keep a request larger than the device).
+it exists), and for each ``--seeds`` seed a multi-round QA trace, a long-document QA trace and a
+Mooncake-style conversation trace of 4000 requests (``tiered_kv.sim.traces`` generators, sized
+so that one request fits the smallest capacity: a prefix cache cannot keep a request larger
+than the device).
 
-Policies: every registered eviction policy (``--policies``), plus the diagnostic ``oracle``: LRU
-that knows which blocks are never accessed again and evicts those nodes first (the best a
-node-granular admission rule could do with perfect knowledge of one-hit blocks); it is not a
-usable policy, only a measure of how much of the gap admission can close.
+Policies: every registered eviction policy (``--policies``), plus three diagnostics that read
+the whole trace in advance (not usable policies; they measure what knowledge would buy inside
+the tree, which caches every computed suffix and evicts whole leaves):
+``oracle``, LRU that evicts first the nodes whose first block is never accessed again (perfect
+one-hit admission); ``future_count``, fewest remaining accesses first (perfect frequency);
+``next_use``, farthest next access first (Belady's rule applied to the tree's leaves).
 
 For each (trace, capacity, policy): hit rate, bound, and the fraction of LRU's gap to the bound
 the policy closes, ``(rate - lru) / (bound - lru)``. The bar of issue 18: at least 0.25 of the
@@ -30,6 +33,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,7 +42,13 @@ from pathlib import Path
 from tiered_kv.cli.report import write_json
 from tiered_kv.sim.belady import access_sequence, belady_hits
 from tiered_kv.sim.simulator import SimCache
-from tiered_kv.sim.traces import load_mooncake, long_doc_qa, multi_round_qa, unique_blocks
+from tiered_kv.sim.traces import (
+    conversation,
+    load_mooncake,
+    long_doc_qa,
+    multi_round_qa,
+    unique_blocks,
+)
 from tiered_kv.tree.policies import POLICIES, LRUPolicy
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
@@ -47,6 +57,9 @@ BAR_CAPACITIES = (0.05, 0.1)
 BAR_CLOSED = 0.25  # of the gap between LRU and the bound
 BAR_DROP = 0.005  # the most a policy may fall below LRU, as a hit-rate fraction
 ORACLE = "oracle"
+FUTURE_COUNT = "future_count"
+NEXT_USE = "next_use"
+DIAGNOSTICS = (ORACLE, FUTURE_COUNT, NEXT_USE)
 
 
 class OneHitOracle(LRUPolicy):
@@ -60,6 +73,50 @@ class OneHitOracle(LRUPolicy):
 
     def priority(self, node) -> tuple:
         return (self.counts[node.key[0]] > 1, self._state[id(node)][1])
+
+
+class Timeline:
+    """When each block is accessed (request indices), and the request being replayed."""
+
+    def __init__(self, trace) -> None:
+        self.positions: dict[int, list[int]] = {}
+        for i, r in enumerate(trace):
+            for b in set(r.blocks):
+                self.positions.setdefault(b, []).append(i)
+        self.now = 0
+
+    def after(self, block: int, t: int) -> tuple[int, int]:
+        """(accesses of ``block`` after request ``t``, the next one's index or a huge one)."""
+        p = self.positions.get(block, [])
+        j = bisect.bisect_right(p, t)
+        return len(p) - j, (p[j] if j < len(p) else 1 << 40)
+
+
+class FutureOracle(LRUPolicy):
+    """Diagnostic: orders nodes by what comes after their last access. ``next_use``: farthest
+    next access of the node's first block first (the node's earliest); ``future_count``: fewest
+    remaining accesses first, then least recent."""
+
+    def __init__(self, timeline: Timeline, by_count: bool) -> None:
+        super().__init__()
+        self.timeline, self.by_count = timeline, by_count
+        self.seen: dict[int, int] = {}  # id(node) -> request index of its last access
+
+    def on_insert(self, node) -> None:
+        super().on_insert(node)
+        self.seen[id(node)] = self.timeline.now
+
+    def on_hit(self, node) -> None:
+        super().on_hit(node)
+        self.seen[id(node)] = self.timeline.now
+
+    def on_split(self, old, new_parent) -> None:
+        super().on_split(old, new_parent)
+        self.seen[id(new_parent)] = self.seen.get(id(old), self.timeline.now)
+
+    def priority(self, node) -> tuple:
+        left, nxt = self.timeline.after(node.key[0], self.seen[id(node)])
+        return (left, self._state[id(node)][1]) if self.by_count else (-nxt,)
 
 
 def generated_traces(seeds: Sequence[int]) -> list[tuple[str, list]]:
@@ -85,14 +142,22 @@ def generated_traces(seeds: Sequence[int]) -> list[tuple[str, list]]:
                 long_doc_qa(documents=64, document_length=2048, questions=3, seed=s),
             )
         )
+        out.append((f"conversation s{s}", conversation(requests=4000, seed=s)))
     return out
 
 
 def run_policy(trace, device_blocks: int, policy: str, counts: Counter | None = None) -> float:
-    sim = SimCache(device_blocks, 0, 0, device_policy="lru" if policy == ORACLE else policy)
+    sim = SimCache(device_blocks, 0, 0, device_policy="lru" if policy in DIAGNOSTICS else policy)
+    # Set before the first request, so every node the tree ever holds has the oracle's record.
     if policy == ORACLE:
-        # Before the first request, so every node the tree ever holds has the oracle's record.
         sim.tree.device_policy = OneHitOracle(counts)
+    elif policy in (FUTURE_COUNT, NEXT_USE):
+        timeline = Timeline(trace)
+        sim.tree.device_policy = FutureOracle(timeline, by_count=policy == FUTURE_COUNT)
+        for i, r in enumerate(trace):
+            timeline.now = i
+            sim.request(r.blocks)
+        return sim.result.hit_rate
     return sim.run(trace).hit_rate
 
 
@@ -171,15 +236,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2", help="seeds of the generated traces")
     p.add_argument("--no-generated", action="store_true", help="only the --trace files")
     p.add_argument("--capacities", default=",".join(map(str, CAPACITIES)))
-    p.add_argument("--policies", default=",".join((*POLICIES, ORACLE)))
+    p.add_argument("--policies", default=",".join((*POLICIES, *DIAGNOSTICS)))
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.capacities = [float(c) for c in args.capacities.split(",") if c.strip()]
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    bad = [x for x in args.policies if x not in (*POLICIES, ORACLE)]
+    bad = [x for x in args.policies if x not in (*POLICIES, *DIAGNOSTICS)]
     if bad or "lru" not in args.policies:
-        p.error(f"--policies {bad or args.policies}: need lru, from {POLICIES + (ORACLE,)}")
+        p.error(f"--policies {bad or args.policies}: need lru, from {POLICIES + DIAGNOSTICS}")
     if any(not 0 < c <= 1 for c in args.capacities):
         p.error(f"--capacities {args.capacities}: fractions in (0, 1]")
     return args

@@ -160,7 +160,7 @@ def test_an_unmarked_tier_overflows_into_one_rebuild():
     seen = []
     q.prepare(None, lambda: [5, 3, 9], lambda n: True, lambda n: (0, 0, (n,)))
     assert q.rebuilds == 2
-    while (n := q.pop(lambda n: True, lambda n: (0, 0, (n,)), lambda b: 0)) is not None:
+    while (n := q.pop(lambda n: True, lambda n: (0, 0, (n,)), lambda b, n: 0)) is not None:
         seen.append(n)
     assert seen == [3, 5, 9]
 
@@ -172,7 +172,7 @@ def test_buckets_are_ranked_when_a_victim_is_chosen():
     q.prepare(None, lambda: list(keys), lambda n: True, keys.__getitem__)
 
     def pop():
-        return q.pop(lambda n: True, keys.__getitem__, lambda b: 0 if b == first["b"] else 1)
+        return q.pop(lambda n: True, keys.__getitem__, lambda b, n: 0 if b == first["b"] else 1)
 
     assert pop() == 1
     first["b"] = "M"

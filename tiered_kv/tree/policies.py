@@ -69,11 +69,16 @@ class EvictionPolicy(ABC):
     def bucket(self, node: Any) -> Any:
         return 0
 
-    def bucket_rank(self, bucket: Any) -> int:
+    def bucket_rank(self, bucket: Any, head: Any = None) -> Any:
         return 0
 
     def order(self, node: Any) -> tuple:
         return self.priority(node)
+
+    def take_changed(self) -> list:
+        """Nodes whose bucket this policy changed while handling another node's event (since
+        the last call); the victim queue re-examines them."""
+        return []
 
     def second_chance(self, node: Any) -> bool:
         return False
@@ -158,7 +163,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def bucket(self, node: Any) -> Any:
         return self._state[id(node)][1]
 
-    def bucket_rank(self, bucket: Any) -> int:
+    def bucket_rank(self, bucket: Any, head: Any = None) -> Any:
         return 0 if bucket == ("S" if self._small_first() else "M") else 1
 
     def order(self, node: Any) -> tuple:
@@ -274,7 +279,7 @@ class GhostLRUPolicy(EvictionPolicy):
     def bucket(self, node: Any) -> Any:
         return bool(self._state[id(node)][3])  # True: protected
 
-    def bucket_rank(self, bucket: Any) -> int:
+    def bucket_rank(self, bucket: Any, head: Any = None) -> Any:
         probation_first = self.probation_tokens > self.probation_floor * self.tokens
         return 0 if (not bucket) == probation_first else 1
 

@@ -92,7 +92,7 @@ class VictimQueue:
         self,
         evictable: Callable[[Any], bool],
         keyof: Callable[[Any], Key],
-        bucket_rank: Callable[[Hashable], int],
+        bucket_rank: Callable[[Hashable, Any], Any],
     ) -> Any | None:
         """The evictable node with the lowest (rank, bucket rank, order), taken out of the queue;
         None when no queued node is evictable."""
@@ -106,7 +106,7 @@ class VictimQueue:
                     break
                 if head is None:
                     continue
-                cand = (head[0], bucket_rank(bucket), head[1], head[2])
+                cand = (head[0], bucket_rank(bucket, head[3]), head[1], head[2])
                 if best is None or cand < best:
                     best, best_heap = cand, heap
             if moved:

@@ -63,6 +63,8 @@ def victims(
     def keyof(n: TreeNode) -> tuple:
         return (bucket(n), rank(n) if rank else 0, order(n))
 
+    for n in policy.take_changed():
+        queue.mark(n)
     queue.prepare(rank, lambda: walk(tree.root), evictable, keyof)
     while True:
         n = queue.pop(evictable, keyof, policy.bucket_rank)
@@ -86,6 +88,8 @@ def unqueued(tree: TieredTree) -> list[tuple[Tier, TreeNode]]:
         (Tier.DEVICE, tree.device_policy, device_evictable, tree.device_queue),
         (Tier.HOST, tree.host_policy, host_evictable, tree.host_queue),
     ):
+        for n in policy.take_changed():
+            queue.mark(n)
         rank = queue.rank_fn
         for n in walk(tree.root):
             if evictable(n):
