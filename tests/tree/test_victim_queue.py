@@ -20,7 +20,7 @@ from tiered_kv.errors import IntegrityError
 from tiered_kv.names import JobId, PendingKind, Tier
 from tiered_kv.tree import TieredTree, check_tree, victims
 from tiered_kv.tree.node import walk
-from tiered_kv.tree.policies import POLICIES
+from tiered_kv.tree.policies import POLICIES, LRUPolicy
 from tiered_kv.tree.victim_queue import REBUILD_AT, VictimQueue
 from tiered_kv.tree.victims import device_evictable, device_resident_last, host_evictable
 
@@ -181,3 +181,47 @@ def test_buckets_are_ranked_when_a_victim_is_chosen():
     q.offer(3, keys[3])
     assert pop() == 3
     assert pop() == 4 and pop() is None
+
+
+class _Demoting(LRUPolicy):
+    """LRU in two buckets, cold (0) before hot (1); ``move`` changes a node's bucket outside
+    its own events and reports it, as a policy that demotes one node while handling another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hot: set[int] = set()
+        self.changed: list = []
+
+    def move(self, node, hot: bool) -> None:
+        (self.hot.add if hot else self.hot.discard)(id(node))
+        self.changed.append(node)
+
+    def take_changed(self) -> list:
+        out, self.changed = self.changed, []
+        return out
+
+    def bucket(self, node):
+        return int(id(node) in self.hot)
+
+    def bucket_rank(self, bucket, head=None):
+        return bucket
+
+    def priority(self, node) -> tuple:
+        return (self.bucket(node), *self.order(node))
+
+    def order(self, node) -> tuple:
+        return (self._state[id(node)][1],)
+
+
+def test_a_bucket_changed_behind_a_nodes_back_is_seen_through_take_changed():
+    tree = TieredTree(P)
+    policy = tree.device_policy = _Demoting()
+    for first in (1, 3, 5):
+        tree.insert([first, first + 1], torch.arange(first, first + 2))
+    x, y, z = (tree.root.children[(k, k + 1)] for k in (1, 3, 5))
+    policy.move(x, True)
+    policy.move(z, True)
+    assert next(victims(tree, Tier.DEVICE)) is y  # the queue is built; x and z wait as hot
+    policy.move(z, False)  # z is cold now, behind x in the hot heap
+    assert list(victims(tree, Tier.DEVICE)) == [y, z, x]
+    check_tree(tree)
