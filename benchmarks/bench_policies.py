@@ -9,7 +9,9 @@ Traces: the Mooncake JSONL files given with ``--trace`` (default: the shared syn
 it exists), and for each ``--seeds`` seed a multi-round QA trace, a long-document QA trace and a
 Mooncake-style conversation trace of 4000 requests (``tiered_kv.sim.traces`` generators, sized
 so that one request fits the smallest capacity: a prefix cache cannot keep a request larger
-than the device).
+than the device). Each seed adds a Qwen/Bailian-style trace of 4000 requests
+(``tiered_kv.sim.bailian``, 16-token blocks, prompts capped at 32k tokens: 2,048 blocks, about
+an eighth of 5% of its some 330k unique blocks).
 
 Policies: every registered eviction policy (``--policies``), plus three diagnostics that read
 the whole trace in advance (not usable policies; they measure what knowledge would buy inside
@@ -40,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tiered_kv.cli.report import write_json
+from tiered_kv.sim.bailian import bailian, to_requests
 from tiered_kv.sim.belady import access_sequence, belady_hits
 from tiered_kv.sim.simulator import SimCache
 from tiered_kv.sim.traces import (
@@ -143,6 +146,7 @@ def generated_traces(seeds: Sequence[int]) -> list[tuple[str, list]]:
             )
         )
         out.append((f"conversation s{s}", conversation(requests=4000, seed=s)))
+        out.append((f"bailian s{s}", to_requests(bailian(requests=4000, seed=s))))
     return out
 
 

@@ -1,7 +1,8 @@
 """Trace-driven hit-rate experiments: no KV bytes, the cache's own tree and policies.
 
-Input: a Mooncake-format JSONL trace (--trace) or a generated one (multi-round QA, long-document
-QA, or a Mooncake-style conversation trace). For each device capacity (a fraction of the trace's
+Input: a Mooncake or Qwen/Bailian JSONL trace (--trace; the format told from the first line, or
+--trace-format) or a generated one (multi-round QA, long-document QA, a Mooncake-style
+conversation trace, or a Bailian-style one). For each device capacity (a fraction of the trace's
 unique blocks, or a block count) and each eviction policy, the trace is replayed through the same
 TieredRadixCache the serving cache runs (rows in parallel processes, ``--jobs``), and the hit
 rate per tier and overall is printed next to two offline bounds (Belady's MIN over the block
@@ -21,6 +22,7 @@ from tiered_kv.cli.args import capacity_list, name_list, non_negative_int, posit
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import WritePolicy
+from tiered_kv.sim.bailian import bailian, is_bailian, load_bailian, to_requests
 from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.traces import (
     REPEAT_MODES,
@@ -33,14 +35,22 @@ from tiered_kv.tree.policies import POLICIES
 
 __all__ = ["add_arguments", "load_trace", "main", "sweep", "validate"]
 
+TRACE_FORMATS = ("auto", "mooncake", "bailian")
+GENERATORS = ("multi-round", "long-doc", "conversation", "bailian")
 HELP = "replay a trace against tier capacities and policies; compare with the offline optimum"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", metavar="JSONL", help="Mooncake trace (else --generator)")
     p.add_argument(
-        "--generator", choices=("multi-round", "long-doc", "conversation"), default="multi-round"
+        "--trace", metavar="JSONL", help="Mooncake or Qwen/Bailian trace (else --generator)"
     )
+    p.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        default="auto",
+        help="auto: Bailian if the first line has a chat_id, else Mooncake",
+    )
+    p.add_argument("--generator", choices=GENERATORS, default="multi-round")
     p.add_argument("--max-requests", type=non_negative_int, default=0, help="0: all")
     p.add_argument(
         "--capacities",
@@ -75,7 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("generators")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    g.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per block (multi-round, long-doc, bailian; conversation uses 512)",
+    )
     g.add_argument("--users", type=positive_int, default=16)
     g.add_argument("--rounds", type=positive_int, default=4)
     g.add_argument("--shared-prompt", type=positive_int, default=1024, help="tokens")
@@ -86,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--document-length", type=positive_int, default=4096, help="tokens")
     g.add_argument("--questions", type=positive_int, default=3)
     g.add_argument("--repeat", choices=REPEAT_MODES, default="random")
-    g.add_argument("--requests", type=positive_int, default=12031, help="conversation")
+    g.add_argument("--requests", type=positive_int, default=12031, help="conversation, bailian")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -116,7 +131,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def load_trace(args):
     if args.trace:
-        trace = load_mooncake(args.trace)
+        fmt = args.trace_format
+        if fmt == "auto":
+            fmt = "bailian" if is_bailian(args.trace) else "mooncake"
+        trace = load_bailian(args.trace) if fmt == "bailian" else load_mooncake(args.trace)
     elif args.generator == "multi-round":
         trace = multi_round_qa(
             users=args.users,
@@ -130,6 +148,9 @@ def load_trace(args):
         )
     elif args.generator == "conversation":
         trace = conversation(requests=args.requests, seed=args.seed)
+    elif args.generator == "bailian":
+        records = bailian(requests=args.requests, block_size=args.block_size, seed=args.seed)
+        trace = to_requests(records)
     else:
         trace = long_doc_qa(
             documents=args.documents,
