@@ -59,6 +59,7 @@ CAPACITIES = (0.05, 0.1, 0.25, 0.5)
 BAR_CAPACITIES = (0.05, 0.1)
 BAR_CLOSED = 0.25  # of the gap between LRU and the bound
 BAR_DROP = 0.005  # the most a policy may fall below LRU, as a hit-rate fraction
+MIN_GAP = 0.001  # a smaller gap between LRU and the bound has no "fraction closed"
 ORACLE = "oracle"
 FUTURE_COUNT = "future_count"
 NEXT_USE = "next_use"
@@ -197,7 +198,8 @@ def evaluate(
                         "hit_rate": rate,
                         "lru_rate": lru,
                         "bound": bound,
-                        "gap_closed": (rate - lru) / gap if gap > 0 else None,
+                        # Under 0.1 pt of gap the fraction means nothing (LRU is at the bound).
+                        "gap_closed": (rate - lru) / gap if gap >= MIN_GAP else None,
                     }
                 )
             if progress:
