@@ -182,3 +182,41 @@ def test_a_truncated_data_file_is_refused_naming_the_pages(tmp_path, gen):
     ):
         LMDBStorage(path, ns, 4096, budget_bytes=64 << 20)
     assert (path / "data.mdb").stat().st_size == 16 * 4096  # nothing reserved, nothing written
+
+
+CREATOR = """
+import os, sys, time, lmdb
+env = lmdb.open({path!r}, map_size=1 << 30, max_dbs=4, writemap=False, sync=False, metasync=False)
+print("open", flush=True)
+db, value, n = env.open_db(b"x"), os.urandom(3000), 0
+deadline = time.monotonic() + {seconds}
+while n < 20000 and time.monotonic() < deadline:  # each commit grows the file by a page
+    with env.begin(write=True) as txn:
+        txn.put(n.to_bytes(8, "big"), value, db=db)
+    n += 1
+print(n)
+"""
+
+
+def test_the_file_check_beside_a_process_growing_a_new_store_is_never_refused(tmp_path):
+    """Two servers opening one new store at once: one commits its first transactions (each
+    growing the file) while the other checks the file before opening. The check read the size
+    and then the meta page, so a commit between them made a sound store look truncated ("meta
+    page 1 says pages 0..6 are in use; the file has 5") and the second server refused it."""
+    path = tmp_path / "s"
+    path.mkdir()
+    code = CREATOR.format(path=str(path), seconds=3)
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        checks, problems = 0, []
+        while writer.poll() is None and checks < 200_000:
+            problem = lmdb_check.check_file(path / "data.mdb")
+            checks += 1
+            if problem:
+                problems.append(problem)
+        commits = int(writer.communicate(timeout=60)[0].strip())
+    finally:
+        writer.kill()
+    assert not problems, (len(problems), checks, problems[:3])
+    assert checks >= 200 and commits >= 200, (checks, commits)

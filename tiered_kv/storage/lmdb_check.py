@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ _DB_FLAGS = 0x7E  # REVERSEKEY, DUPSORT, INTEGERKEY, DUPFIXED, INTEGERDUP, REVER
 P_INVALID = 2**64 - 1
 _MAGIC, _VERSION = 0xBEEFC0DE, 1
 _MAX_DEPTH = 32  # LMDB's cursor stack
+_LOOKS, _LOOK_AGAIN_S = 6, 0.02  # check_file's looks at a file that seems corrupt
 _MAX_KEY = 511
 _HDR = 16  # PAGEHDRSZ
 _PAGE = struct.Struct("<QHHHH")  # pgno, pad, flags, lower, upper (pages count for overflow)
@@ -128,21 +130,32 @@ def _pick(buf: bytes | mmap.mmap, file_bytes: int) -> _Meta:
 
 
 def check_file(data_file: Path) -> str | None:
-    """Before ``lmdb.open``: the meta page LMDB will use. None when sound or absent."""
-    try:
-        with open(data_file, "rb") as f:
-            file_bytes = f.seek(0, 2)
-            if file_bytes == 0:
-                return None  # LMDB writes a new file's meta pages
-            f.seek(0)
-            head = f.read(2 * 0x8000)
-    except OSError:
-        return None  # missing or unreadable: LMDB's open reports it
-    try:
-        _pick(head + bytes(max(0, 2 * 0x8000 - len(head))), file_bytes)
-    except _Corrupt as exc:
-        return str(exc)
-    return None
+    """Before ``lmdb.open``: the meta page LMDB will use. None when sound or absent.
+
+    Another process may be committing meanwhile: LMDB writes a commit's pages (growing the
+    file) before its meta page, so the head is read before the size; and a problem is reported
+    only when a second look, a moment later, finds the same file unchanged (a meta page read
+    while being written, or a file being created, looks corrupt for an instant)."""
+    seen = None
+    for attempt in range(_LOOKS):
+        try:
+            with open(data_file, "rb") as f:
+                head = f.read(2 * 0x8000)
+                file_bytes = f.seek(0, 2)
+        except OSError:
+            return None  # missing or unreadable: LMDB's open reports it
+        if file_bytes == 0:
+            return None  # LMDB writes a new file's meta pages
+        try:
+            _pick(head + bytes(max(0, 2 * 0x8000 - len(head))), file_bytes)
+        except _Corrupt as exc:
+            if seen == (head, file_bytes):
+                return str(exc)
+            seen = (head, file_bytes)
+            time.sleep(_LOOK_AGAIN_S * (attempt + 1))
+            continue
+        return None
+    return None  # the file kept changing: a live writer, so not a corrupt file at rest
 
 
 def check_snapshot(env: lmdb.Environment, data_file: Path) -> str | None:

@@ -42,6 +42,7 @@ READER_CHECK_S = 1.0  # a reader killed in any process stops others' writes at m
 # Evict down to this fraction of the budget: LMDB needs room for branch pages, its free list,
 # and the pages the last two snapshots still hold.
 _FILL = 3 / 4
+_SET_TRIES = 3  # a batch that meets a full map at the budget frees room at most twice
 
 
 class LMDBStorage(BookedStorage):
@@ -325,14 +326,16 @@ class LMDBStorage(BookedStorage):
             sums.start(ordered_map(hash_page, missing, self._io_threads))
             self._grow_for(len(missing) * self._record)
             result = None
-            for attempt in range(2):
+            for attempt in range(_SET_TRIES):
                 try:
                     result = self._write(write, "batch_set")
                     break
                 except lmdb.MapFullError:
-                    # At the budget with the map fragmented: free an eighth of the store, retry.
+                    # At the budget with the map fragmented, or another process took the room
+                    # freed for this batch: free a quarter of the store, retry.
                     self._stats.count_error("batch_set: map full at budget")
-                    if attempt == 0:
+                    if attempt + 1 < _SET_TRIES:
+                        self._shared.clear_stale_readers()
                         self._evict_fraction(4)
             if result is None:
                 self._stats.set_skipped += len(keys)
