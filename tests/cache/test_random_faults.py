@@ -225,9 +225,9 @@ def test_random_server_faults_on_redis_never_serve_wrong_kv(gen, monkeypatch, wr
         server.stop()
 
 
-def _campaign(gen, monkeypatch, faults, seed, store_cls, **stack_kwargs) -> dict:
+def _campaign(gen, monkeypatch, faults, seed, store_cls, finish=None, **stack_kwargs) -> dict:
     """250 random steps on a stack over ``store_cls`` with the host copies failing at random
-    too; the store's stats at the end."""
+    too; ``finish(stack)`` (if given) runs after the last checks; the store's stats at the end."""
     stacks = stack_factory(gen)
     make = next(stacks)
     s = make(**stack_kwargs, storage_cls=store_cls, storage_batch_pages=2)
@@ -267,6 +267,8 @@ def _campaign(gen, monkeypatch, faults, seed, store_cls, **stack_kwargs) -> dict
             check_trusted_data(s)
             assert not any(n.stale for n in walk(s.tree.root)), "a stale copy outlived its holders"
             assert faults.fired > 0, "no fault was injected"
+            if finish is not None:
+                finish(s)
             s.clear()
             assert s.alloc.available_size() == s.device0
             assert s.host.available_size() == s.host0
