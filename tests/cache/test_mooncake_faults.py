@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.cache.test_random_faults import Faults, _campaign
+from tests.cache.test_random_faults import Faults, _campaign, server_faulted
 from tiered_kv.storage import StorageNamespace, value_format
 from tiered_kv.storage.mooncake_store import MooncakeStorage
 
@@ -103,6 +103,12 @@ class MooncakeFaults(Faults):
             time.sleep(0.05)
         self.raw.remove(PROBE, True)
 
+    def stored(self, keys, ok) -> None:
+        with self.lock:
+            for key, stored in zip(keys, ok, strict=True):
+                if stored:
+                    self.written[_name(key)] = None
+
     def damaged_names(self) -> list[str]:
         """The names holding a value this campaign damaged, right now."""
         return [n for n, v in self.damaged_values.items() if self.raw.get(n) == v]
@@ -115,36 +121,6 @@ class MooncakeFaults(Faults):
             if name in self.damaged_values and self.raw.get(name) == self.damaged_values[name]:
                 out.append(i)
         return out
-
-
-def faulted_store_class(faults: MooncakeFaults, master: str) -> type[MooncakeStorage]:
-    class FaultedMooncakeStorage(MooncakeStorage):
-        def __init__(self, namespace, page_nbytes):
-            super().__init__(namespace, page_nbytes, master=master, segment_bytes=0)
-
-        def batch_exists(self, keys):
-            faults.maybe("batch_exists")
-            return super().batch_exists(keys)
-
-        def batch_get(self, keys, source, pages):
-            faults.maybe("batch_get")
-            with faults.lock:
-                damaged = faults.damaged(keys)
-            ok = super().batch_get(keys, source, pages)
-            assert not any(ok[i] for i in damaged), "a damaged value was served"
-            faults.refused += len(damaged)
-            return ok
-
-        def batch_set(self, keys, source, pages):
-            faults.maybe("batch_set")
-            ok = super().batch_set(keys, source, pages)
-            with faults.lock:
-                for key, stored in zip(keys, ok, strict=True):
-                    if stored:
-                        faults.written[_name(key)] = None
-            return ok
-
-    return FaultedMooncakeStorage
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
@@ -168,8 +144,9 @@ def test_random_faults_on_a_mooncake_store_never_serve_wrong_kv(gen, monkeypatch
                 assert stack.storage_kv([key]) is None
             assert faults.refused - before == len(left)
 
+        store_cls = server_faulted(MooncakeStorage, faults, master=server.address, segment_bytes=0)
         stats = _campaign(
-            gen, monkeypatch, faults, seed, faulted_store_class(faults, server.address),
+            gen, monkeypatch, faults, seed, store_cls,
             finish=ask_for_every_damaged_value,
             write_policy=write_policy, page_size=4, device_pages=10, host_pages=12,
         )  # fmt: skip

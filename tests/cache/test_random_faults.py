@@ -178,10 +178,14 @@ class ServerFaults(Faults):
         return out
 
 
-def server_faulted_store_class(faults: ServerFaults, url: str) -> type[RedisStorage]:
-    class ServerFaultedRedisStorage(RedisStorage):
+def server_faulted(base: type, faults, **store_kwargs) -> type:
+    """``base`` opened with ``store_kwargs``, with ``faults.maybe`` done before each call; a
+    value ``faults.damaged`` names must not be served (``faults.refused`` counts those asked
+    for), and ``faults.stored(keys, ok)`` (if it has one) hears what each set stored."""
+
+    class ServerFaultedStorage(base):
         def __init__(self, namespace, page_nbytes):
-            super().__init__(namespace, page_nbytes, url=url, timeout_s=2.0)
+            super().__init__(namespace, page_nbytes, **store_kwargs)
 
         def batch_exists(self, keys):
             faults.maybe("batch_exists")
@@ -189,7 +193,8 @@ def server_faulted_store_class(faults: ServerFaults, url: str) -> type[RedisStor
 
         def batch_get(self, keys, source, pages):
             faults.maybe("batch_get")
-            damaged = faults.damaged(keys)
+            with faults.lock:
+                damaged = faults.damaged(keys)
             ok = super().batch_get(keys, source, pages)
             assert not any(ok[i] for i in damaged), "a damaged value was served"
             faults.refused += len(damaged)
@@ -197,9 +202,12 @@ def server_faulted_store_class(faults: ServerFaults, url: str) -> type[RedisStor
 
         def batch_set(self, keys, source, pages):
             faults.maybe("batch_set")
-            return super().batch_set(keys, source, pages)
+            ok = super().batch_set(keys, source, pages)
+            if hasattr(faults, "stored"):
+                faults.stored(keys, ok)
+            return ok
 
-    return ServerFaultedRedisStorage
+    return ServerFaultedStorage
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
@@ -213,8 +221,9 @@ def test_random_server_faults_on_redis_never_serve_wrong_kv(gen, monkeypatch, wr
     server = RedisServer()
     try:
         faults = ServerFaults(seed, 0.15, server.url)
+        store_cls = server_faulted(RedisStorage, faults, url=server.url, timeout_s=2.0)
         s = _campaign(
-            gen, monkeypatch, faults, seed, server_faulted_store_class(faults, server.url),
+            gen, monkeypatch, faults, seed, store_cls,
             write_policy=write_policy, page_size=4, device_pages=10, host_pages=12,
         )  # fmt: skip
         assert all(faults.kinds.values()), faults.kinds  # each kind of fault was done
