@@ -1,7 +1,8 @@
 """A reader SIGKILLed inside a read leaves its LMDB reader slot behind; it pins the pages of its
 snapshot, so a store at its budget could not reuse them and every other process's writes failed.
-Stores now free dead readers' slots (at open, when eviction finds no room, and at most once a
-second on writes): two writers at the budget keep succeeding."""
+Stores now free dead readers' slots (at open, when eviction finds no room, when a write meets a
+full map at the budget, and at most once a second on writes): two writers at the budget keep
+succeeding."""
 
 from __future__ import annotations
 
@@ -45,11 +46,17 @@ import os
 print("open", flush=True)
 while not os.path.exists({go!r}):  # opened before the reader is killed, as a live server would be
     time.sleep(0.01)
+import tiered_kv.storage.lmdb_store as lmdb_store
+# Writes check for dead readers at most once a second: a writer whose last check was under a
+# second before the reader died saw every batch fail until the next one (CI: 7 of 32 batches).
+# A full map at the budget now frees dead readers' slots at once; turn the timed check off, so
+# that path alone must recover.
+lmdb_store.READER_CHECK_S = 3600.0
 ok = total = 0
 deadline = time.monotonic() + 60
 for round in range({rounds}):
     got = store.batch_set(keys(100 + {who} * 1000 + round, 8), src, list(range(8)))
-    if round >= 8:  # the first seconds may still see the dead reader's slot
+    if round >= 1:  # the first batch may meet the dead reader's slot
         ok += sum(got); total += len(got)
     if time.monotonic() > deadline:
         break
@@ -93,9 +100,8 @@ def test_writers_keep_writing_after_a_reader_is_killed_inside_a_read(tmp_path):
         for w in writers:
             out, err = w.communicate(timeout=180)
             assert w.returncode == 0, err[-2000:]
-            # Before the fix every write failed while the slot lived (a ratio near 0); on a
-            # busy machine two writers at the budget also race for the room each frees.
-            assert float(out.strip().splitlines()[-1]) >= 0.6, (out, err[-1000:])
+            # Before the fix every write failed while the slot lived (a ratio of 0).
+            assert float(out.strip().splitlines()[-1]) >= 0.9, (out, err[-1000:])
     finally:
         if reader.poll() is None:
             reader.kill()
