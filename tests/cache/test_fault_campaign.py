@@ -252,6 +252,7 @@ class Campaign:
         self.prompts: list[list[int]] = []
         self.tiers = {"device": 0, "host": 0, "storage": 0}
         self.first_wrong: str | None = None
+        self.window_before: dict[str, int] = {}  # window counters of the caches before restarts
 
     def model_fields(self, kind: str) -> dict:
         """The config fields of this pool kind beyond the campaign's own."""
@@ -444,8 +445,15 @@ class Campaign:
         assert cache.free_sizes() == cache._initial, (cache.free_sizes(), cache._initial)
         assert cache.stats()["occupancy"] == {"device_tokens": 0, "host_tokens": 0}
 
+    def window_counts(self) -> dict[str, int]:
+        """Window KV released and matches trimmed over the whole campaign (each restart opens
+        a cache whose counters start at 0)."""
+        now = dataclasses.asdict(self.cache.metrics.window)
+        return {k: self.window_before.get(k, 0) + v for k, v in now.items()}
+
     def restart(self) -> None:
         self.settle()
+        self.window_before = self.window_counts()
         self.cache.close()
         self.cache = self.model.cache = self._open()
         self.n["restarts"] += 1
@@ -503,8 +511,8 @@ def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):
     assert c.n["finished_together"], c.n
     assert c.tiers["device"] and c.tiers["host"], f"a tier was never hit: {c.tiers}"
     if kind == "swa":  # requests gave window KV back: tombstones were formed and matched
-        window = c.cache.metrics.window
-        assert window.released_tokens and window.trimmed_tokens, window
+        window = c.window_counts()
+        assert window["released_tokens"] and window["trimmed_tokens"], window
     if prefetch_policy == PrefetchPolicy.BEST_EFFORT:
         # begin never waits: a prefetch mostly loses the race with its own cancel (by design);
         # the store must still have been found holding pages.
