@@ -171,6 +171,33 @@ def test_stale_copy_is_returned_on_last_unlock():
     check_tree(tree)
 
 
+def test_a_stale_copy_whose_host_copy_is_being_backed_up_is_returned_on_last_unlock():
+    """A backup to storage reads the host copy only. It used to keep the stale device copy at
+    the last unlock, and nothing freed it when the backup ended (found by the Mooncake fault
+    campaign: "a stale copy outlived its holders"). A copy into or out of the device copy
+    still keeps it until its own end."""
+    tree, slots = TieredTree(P), Slots()
+    tree.insert(list(range(1, 9)), slots.take(8))
+    (node,) = tree.root.children.values()
+    tree.set_host(node, slots.take(8))
+    tree.inc_lock_ref(node)
+    tree.mark_stale(node)
+    tree.begin_job(JobId(5), PendingKind.BACKUP, [node])
+    (freed,) = tree.dec_lock_ref(node)
+    assert torch.equal(freed, torch.arange(1, 9)) and not node.on_device and not node.stale
+    assert node.on_host and node.pending == {PendingKind.BACKUP: JobId(5)}
+    tree.end_job(JobId(5))
+    check_tree(tree)
+    other = TieredTree(P)
+    other.insert(list(range(1, 9)), slots.take(8))
+    (held,) = other.root.children.values()
+    other.set_host(held, slots.take(8))
+    other.inc_lock_ref(held)
+    other.mark_stale(held)
+    other.begin_job(JobId(6), PendingKind.LOAD, [held])
+    assert other.dec_lock_ref(held) == [] and held.stale and held.on_device
+
+
 def test_set_and_take_refuse_impossible_changes():
     tree, slots = TieredTree(P), Slots()
     tree.insert(list(range(1, 9)), slots.take(8))

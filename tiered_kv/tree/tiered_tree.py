@@ -315,7 +315,10 @@ class TieredTree:
                 self._mark(n)
         freed = []
         for n in path:  # deepest first, so device residency stays prefix-closed
-            if n.stale and n.lock_ref == 0 and n.on_device and not n.pending:
+            # A backup to storage reads the host copy only: it does not keep a stale device copy
+            # (which nothing would free once the backup ended).
+            device_busy = PendingKind.LOAD in n.pending or PendingKind.WRITE in n.pending
+            if n.stale and n.lock_ref == 0 and n.on_device and not device_busy:
                 if not any(c.on_device for c in n.children.values()):
                     freed.append(self.take_device(n))
         return freed
