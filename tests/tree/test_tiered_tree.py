@@ -155,14 +155,21 @@ def test_locked_and_pending_nodes_are_not_victims():
         next(victims(tree, Tier.STORAGE))
 
 
-def test_stale_copy_is_returned_on_last_unlock():
+def _held_stale_copy(locks: int = 1):
+    """A tree of one node on both tiers whose device copy came from a failed load, held
+    ``locks`` times; its device slots are 1..8."""
     tree, slots = TieredTree(P), Slots()
     tree.insert(list(range(1, 9)), slots.take(8))
     (node,) = tree.root.children.values()
     tree.set_host(node, slots.take(8))
-    tree.inc_lock_ref(node)
-    tree.inc_lock_ref(node)
+    for _ in range(locks):
+        tree.inc_lock_ref(node)
     tree.mark_stale(node)
+    return tree, node
+
+
+def test_stale_copy_is_returned_on_last_unlock():
+    tree, node = _held_stale_copy(locks=2)
     assert tree.dec_lock_ref(node) == []  # still held
     (freed,) = tree.dec_lock_ref(node)
     assert torch.equal(freed, torch.arange(1, 9)) and not node.on_device and not node.stale
@@ -176,24 +183,14 @@ def test_a_stale_copy_whose_host_copy_is_being_backed_up_is_returned_on_last_unl
     the last unlock, and nothing freed it when the backup ended (found by the Mooncake fault
     campaign: "a stale copy outlived its holders"). A copy into or out of the device copy
     still keeps it until its own end."""
-    tree, slots = TieredTree(P), Slots()
-    tree.insert(list(range(1, 9)), slots.take(8))
-    (node,) = tree.root.children.values()
-    tree.set_host(node, slots.take(8))
-    tree.inc_lock_ref(node)
-    tree.mark_stale(node)
+    tree, node = _held_stale_copy()
     tree.begin_job(JobId(5), PendingKind.BACKUP, [node])
     (freed,) = tree.dec_lock_ref(node)
     assert torch.equal(freed, torch.arange(1, 9)) and not node.on_device and not node.stale
     assert node.on_host and node.pending == {PendingKind.BACKUP: JobId(5)}
     tree.end_job(JobId(5))
     check_tree(tree)
-    other = TieredTree(P)
-    other.insert(list(range(1, 9)), slots.take(8))
-    (held,) = other.root.children.values()
-    other.set_host(held, slots.take(8))
-    other.inc_lock_ref(held)
-    other.mark_stale(held)
+    other, held = _held_stale_copy()
     other.begin_job(JobId(6), PendingKind.LOAD, [held])
     assert other.dec_lock_ref(held) == [] and held.stale and held.on_device
 
