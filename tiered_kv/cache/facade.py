@@ -31,6 +31,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.storage.keys import extra_key_prior
 
 
 def _serialized(method):
@@ -73,12 +74,16 @@ class TieredKVCache:
 
     # -- request lifecycle --------------------------------------------------------------------
     @_serialized
-    def begin(self, tokens) -> Request:
+    def begin(self, tokens, extra_key: str | bytes | None = None) -> Request:
         """Start a request for prompt ``tokens``: find its cached prefix on every tier, bring
         storage hits to host (per the prefetch policy) and host hits to the device (layer by
-        layer), lock that prefix and give the request a row."""
+        layer), lock that prefix and give the request a row. ``extra_key``: the request's own
+        identity beyond its tokens (LoRA adapter id and revision, cache salt, multimodal
+        content hashes at full width; a str or bytes): only pages and state written under the
+        same extra key are ever matched for it, on every tier and in every store key."""
         self._check_open()
-        req = self._begin_one(self._prompt(tokens))
+        prior = extra_key_prior(extra_key)
+        req = self._begin_one(self._prompt(tokens), extra_key, prior)
         self.metrics.hits.add(req.hits)
         if self.device_host is not None:
             # The layer waits follow this request: its own load, the one in flight its prefix
@@ -88,13 +93,23 @@ class TieredKVCache:
         return req
 
     @_serialized
-    def begin_many(self, prompts) -> list[Request]:
+    def begin_many(self, prompts, extra_keys=None) -> list[Request]:
         """``begin`` for a batch whose forward runs together: the host hits of all of them
         are loaded back as one layer-wise job (one plan, one wait per layer for the whole
-        batch), and the layer waits follow that batch. Every prompt and the free request rows
-        are checked before anything changes."""
+        batch), and the layer waits follow that batch. ``extra_keys``: None, or one extra key
+        (or None) per prompt (see ``begin``). Every prompt, extra key and the free request
+        rows are checked before anything changes."""
         self._check_open()
         prompts = [self._prompt(t) for t in prompts]
+        if extra_keys is None:
+            extra_keys = [None] * len(prompts)
+        extra_keys = list(extra_keys)
+        if len(extra_keys) != len(prompts):
+            raise InvalidArgumentError(
+                f"begin_many got {len(prompts)} prompts and {len(extra_keys)} extra keys; pass "
+                "one extra key (or None) per prompt, or extra_keys=None"
+            )
+        priors = [extra_key_prior(k) for k in extra_keys]
         if not prompts:
             return []
         self._check_rows(len(prompts))
@@ -104,15 +119,15 @@ class TieredKVCache:
         batch = self.manager.load_batch
         batch.open()
         try:
-            for tokens in prompts:
-                reqs.append(self._begin_one(tokens))
+            for tokens, key, prior in zip(prompts, extra_keys, priors, strict=True):
+                reqs.append(self._begin_one(tokens, key, prior))
             if not batch.flush():
                 # Refused (a closed worker): as in ``begin``, the host parts become misses.
                 self.manager.poll()
                 for i, r in enumerate(reqs):
                     if self.manager.holds_stale(r.node):
                         self.abort(r)
-                        reqs[i] = self._begin_one(prompts[i])
+                        reqs[i] = self._begin_one(prompts[i], extra_keys[i], priors[i])
         except BaseException:
             try:
                 if batch.is_open:
@@ -133,7 +148,9 @@ class TieredKVCache:
     def _check_rows(self, n: int) -> None:
         check_rows_free(n, self.req_to_token.available_size(), self.config.device.max_requests)
 
-    def _begin_one(self, tokens: list[int]) -> Request:
+    def _begin_one(
+        self, tokens: list[int], extra_key: str | bytes | None = None, prior: bytes = b""
+    ) -> Request:
         kv = self.states.alloc_row() if self.states is not None else RequestKV()
         if kv is None or (self.states is None and self.req_to_token.alloc([kv]) is None):
             raise StateError(
@@ -146,6 +163,7 @@ class TieredKVCache:
                 prompt_tokens=len(tokens),
                 prefetch_threshold=self.config.policies.prefetch_threshold,
                 prefetch_wait=self.config.policies.prefetch_wait_s,
+                prior=prior,
             )
             if self.states is not None:  # the state at the prefix's end, or a shorter prefix
                 grant = self.states.settle(self.manager, grant, tokens[:-1], kv.mamba_pool_idx)
@@ -157,6 +175,7 @@ class TieredKVCache:
             tokens[:prefix], kv, grant.slots, prefix, grant.hits, grant.node, grant.load_slot
         )
         req.grant, req.owner = grant, self
+        req.extra_key, req.prior = extra_key, prior
         if prefix:
             self.req_to_token.write(
                 (kv.req_pool_idx, slice(0, prefix)), grant.slots.to(torch.int32)

@@ -28,6 +28,7 @@ class PrefixGrant:
     slots: torch.Tensor  # device slots of the prefix (its first ``len(slots)`` tokens)
     hits: RequestHits
     load_slot: int | None  # layer-done counter slot of its host -> device load
+    prior: bytes = b""  # the request's identity (``storage.keys.extra_key_prior``)
 
     @property
     def prefix_len(self) -> int:
@@ -41,13 +42,15 @@ def begin(
     prompt_tokens: int,
     prefetch_threshold: int = 1,
     prefetch_wait: Callable[[int], float | None] = lambda tokens: None,
+    prior: bytes = b"",
 ) -> PrefixGrant:
     """Lock the cached prefix of ``tokens`` on the device. A storage hit of at least
     ``prefetch_threshold`` tokens is prefetched (waiting ``prefetch_wait(hit tokens)``
     seconds, None: until done). When the device cannot take the host part, that part is
-    computed instead. ``prompt_tokens``: the request's prompt length (for the hit counts)."""
+    computed instead. ``prompt_tokens``: the request's prompt length (for the hit counts).
+    ``prior``: the request's identity; only pages written under the same one are matched."""
     manager.poll()
-    m = manager.match_prefix(tokens)
+    m = manager.match_prefix(tokens, prior=prior)
     hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
     if m.storage_hit_length >= max(1, prefetch_threshold):
         op = manager.prefetcher.start(m, tokens)
@@ -57,7 +60,7 @@ def begin(
         # A second look at this request's prefix (no second hit), gained or not: the prefetch
         # acknowledged finished jobs, so a failed load may have made part of the first look
         # stale, and its release may have freed those device slots.
-        m = manager.match_prefix(tokens, check_storage=False, count_hit=False)
+        m = manager.match_prefix(tokens, check_storage=False, count_hit=False, prior=prior)
         hits.device = m.device_hit_length
         hits.storage = min(gained, m.host_hit_length)  # attached at the end of the host part
         hits.host = m.host_hit_length - hits.storage
@@ -68,7 +71,7 @@ def begin(
         if loaded is None:  # no device room: compute the host part instead
             # A last look: making room acknowledged finished jobs, so a failed load may have
             # made the device part stale (and freed it); a match stops before a stale copy.
-            m = manager.match_prefix(tokens, check_storage=False, count_hit=False)
+            m = manager.match_prefix(tokens, check_storage=False, count_hit=False, prior=prior)
             node, slots = m.last_device_node, m.device_indices
             hits.device, hits.host, hits.storage = m.device_hit_length, 0, 0
         else:
@@ -80,7 +83,7 @@ def begin(
     prefix = len(slots)
     hits.missed = prompt_tokens - prefix
     hits.host = min(hits.host, prefix - hits.device)
-    return PrefixGrant(node, slots, hits, load_slot)
+    return PrefixGrant(node, slots, hits, load_slot, prior)
 
 
 def finish(
@@ -105,7 +108,9 @@ def finish(
         return False
     ps = manager.page_size
     full = len(tokens) - len(tokens) % ps
-    dup = manager.insert(tokens[:full], slots[:full], min(windowless, full)) if full else 0
+    dup = 0
+    if full:
+        dup = manager.insert(tokens[:full], slots[:full], min(windowless, full), grant.prior)
     # The first ``prefix_len`` slots came from the tree: they are its, never ours to free.
     if dup > grant.prefix_len:
         manager.device.free(slots[grant.prefix_len : dup])
@@ -120,7 +125,7 @@ def cut_back(manager: CacheManager, grant: PrefixGrant, tokens, length: int) -> 
     prefix): the lock moves to the node ending there (split if needed), the hits cut from the
     deepest tier first count as missed. ``grant`` is spent; use the one returned."""
     length = min(length, grant.prefix_len)
-    m = manager.tree.match(list(tokens)[:length], probe=False)
+    m = manager.tree.match(list(tokens)[:length], probe=False, prior=grant.prior)
     node, _ = manager.tree.node_at(m)
     # The prefix was on the device: the match stops earlier only before a failed load's copy.
     length = min(length, m.device_len)
@@ -133,7 +138,7 @@ def cut_back(manager: CacheManager, grant: PrefixGrant, tokens, length: int) -> 
         setattr(h, tier, getattr(h, tier) - take)
         cut -= take
     h.missed = h.prompt_tokens - length
-    return PrefixGrant(node, grant.slots[:length], h, grant.load_slot)
+    return PrefixGrant(node, grant.slots[:length], h, grant.load_slot, grant.prior)
 
 
 def abort(manager: CacheManager, grant: PrefixGrant, slots: torch.Tensor) -> None:

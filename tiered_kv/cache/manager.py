@@ -157,14 +157,15 @@ class CacheManager:
 
     # -- matching and inserting -----------------------------------------------------------------
     def match_prefix(
-        self, tokens, *, check_storage: bool = True, count_hit: bool = True
+        self, tokens, *, check_storage: bool = True, count_hit: bool = True, prior: bytes = b""
     ) -> PrefixMatch:
-        """Where the longest cached page-aligned prefix of ``tokens`` lives, on every tier.
+        """Where the longest cached page-aligned prefix of ``tokens`` lives, on every tier,
+        for the request identity ``prior`` (``storage.keys.extra_key_prior``; b"": none).
         Splits the tree at the match's end; counts a hit on every matched node unless
         ``count_hit`` is False (a second look at the same request's prefix), which may start
         selective write-throughs; probes storage for the pages after the tree's match."""
         probe = check_storage and self.store is not None
-        m = self.tree.match(tokens, probe=probe)
+        m = self.tree.match(tokens, probe=probe, prior=prior)
         hit = alt = StorageHit([])
         if probe and m.probe_digests:
             prober = self.window.probe if self.window is not None else probe_complete
@@ -180,7 +181,7 @@ class CacheManager:
                 self._selective_writes(path, last_dev, last)
         return PrefixMatch(
             m.device_indices, last_dev, last, m.device_len, m.host_len,
-            hit.pages * self.page_size, hit.keys, hit.windowless,
+            hit.pages * self.page_size, hit.keys, hit.windowless, prior,
         )  # fmt: skip
 
     def probe_storage(self, keys: list[bytes]) -> int:
@@ -209,15 +210,18 @@ class CacheManager:
             self.dec_lock_ref(last_dev)
             self.dec_host_ref(last)
 
-    def insert(self, tokens, device_indices: torch.Tensor, windowless: int = 0) -> int:
+    def insert(
+        self, tokens, device_indices: torch.Tensor, windowless: int = 0, prior: bytes = b""
+    ) -> int:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns how many
         leading tokens were already on the device: the caller frees its own slots for those.
         Slots of tokens the tree declines (below a failed load's stale copy) are freed here.
         Under ``write_through`` new nodes are backed up to host at once. ``windowless``: the
-        first tokens hold full KV only (``SlidingWindow.insert``)."""
+        first tokens hold full KV only (``SlidingWindow.insert``). ``prior``: the request's
+        identity (see ``match_prefix``)."""
         if windowless:
-            return self.window.insert(self, tokens, device_indices, windowless)
-        dup, new, kept = self.tree.insert(tokens, device_indices)
+            return self.window.insert(self, tokens, device_indices, windowless, prior)
+        dup, new, kept = self.tree.insert(tokens, device_indices, prior=prior)
         if kept < len(device_indices):
             self.device.free(device_indices[kept:])
         self.written(new)

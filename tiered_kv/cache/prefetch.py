@@ -33,6 +33,7 @@ class PrefetchOp:
     host: torch.Tensor  # host slots being filled
     windowless_end: int = 0  # tokens of ``key`` up to which fetched pages hold full KV only
     result: TransferResult | None = None
+    prior: bytes = b""  # the request identity whose pages these are (extra_key_prior)
 
 
 class Prefetcher:
@@ -75,7 +76,9 @@ class Prefetcher:
         key = self.tree.aligned(tokens)[: start + pages * ps]
         job_id = self.jobs.new(Direction.STORAGE_TO_HOST, node, self._done)
         bare = start + min(match.storage_windowless, pages) * ps
-        op = PrefetchOp(job_id, node, key, start, host, bare if bare > start else 0)
+        op = PrefetchOp(
+            job_id, node, key, start, host, bare if bare > start else 0, prior=match.prior
+        )
         self._ops[job_id] = op
         job = TransferJob.prefetch(job_id, match.storage_keys[:pages], host)
         if not self.jobs.submit_storage(job):
@@ -107,18 +110,22 @@ class Prefetcher:
             self.host.free(op.host[got:])
         if got == 0:
             return 0
-        return self._attach(op.key[: op.start + got], op.start, op.host[:got], op.windowless_end)
+        return self._attach(
+            op.key[: op.start + got], op.start, op.host[:got], op.windowless_end, op.prior
+        )
 
     def _release(self, node: TreeNode) -> None:
         self.book.dec_lock_ref(node)
         self.book.dec_host_ref(node)
 
-    def _attach(self, key: tuple, start: int, host: torch.Tensor, bare: int = 0) -> int:
+    def _attach(
+        self, key: tuple, start: int, host: torch.Tensor, bare: int = 0, prior: bytes = b""
+    ) -> int:
         """Attach host slots for ``key[start:]`` below the path of ``key[:start]``; slots for
         tokens the tree already holds (or cannot attach) are freed. Tokens before ``bare``
         came from full-KV-only values: they go in as a windowless node of their own. Returns
         tokens attached."""
-        m = self.tree.match(key, probe=False)
+        m = self.tree.match(key, probe=False, prior=prior)
         _, node = self.tree.node_at(m)
         pos = m.length
         if pos < start:  # the prefix left the tree meanwhile

@@ -33,3 +33,4 @@ class PrefixMatch(NamedTuple):
     storage_hit_length: int  # tokens after the host part, in storage
     storage_keys: list[bytes]
     storage_windowless: int = 0  # leading storage pages that are full-KV-only values
+    prior: bytes = b""  # the request identity it was matched under (extra_key_prior)

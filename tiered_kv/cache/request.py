@@ -34,6 +34,10 @@ class Request:
     state_position: int | None = None
     state_slot_at: tuple[int, int] | None = None
     state_turn: int = 0
+    # The per-request identity it was begun with (``begin(extra_key=...)``) and its chain
+    # prior: its pages are matched, inserted and stored under that identity only.
+    extra_key: str | bytes | None = None
+    prior: bytes = b""
 
     @property
     def row(self) -> int:

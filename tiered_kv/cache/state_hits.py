@@ -93,7 +93,7 @@ class RecurrentState:
             self.counts.trimmed_tokens += (len(digests) - best) * ps
         if best >= tree_pages:
             return m, StorageHit(hit.keys[: best - tree_pages])
-        return tree.match(list(tokens)[: best * ps], probe=False), StorageHit([])
+        return tree.match(list(tokens)[: best * ps], probe=False, prior=m.prior), StorageHit([])
 
     # -- a request's state --------------------------------------------------------------------
     def settle(self, manager, grant: lifecycle.PrefixGrant, tokens, state_slot: int):
@@ -140,7 +140,7 @@ class RecurrentState:
             and _prefix_proven(manager, req)
         ):
             # Named by its page's digest: it becomes a hit once those pages are in the tree.
-            digest = page_digests(req.tokens[:position], ps)[-1]
+            digest = page_digests(req.tokens[:position], ps, req.prior)[-1]
             self.ledger.capture(digest, kv.mamba_pool_idx)
         if any(s < 0 for s in kv.mamba_tracking):  # a lazily deferred slot: take it now
             self.req_pool.ensure_tracking_slots(kv)  # (short of slots: go on with the one)
@@ -172,7 +172,8 @@ class RecurrentState:
         # The working slot holds the state at ``full`` only while nothing was computed after.
         if slot == req.kv.mamba_pool_idx and req.state_position != len(tokens):
             return False
-        return self.ledger.capture(page_digests(tokens[:full], self.page_size)[-1], slot)
+        chain = page_digests(tokens[:full], self.page_size, getattr(req, "prior", b""))
+        return self.ledger.capture(chain[-1], slot)
 
     # -- rows, housekeeping -------------------------------------------------------------------
     def alloc_row(self):

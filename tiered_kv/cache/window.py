@@ -100,7 +100,8 @@ class SlidingWindow:
         if best >= len(flags):
             keep = best - len(flags)
             return m, StorageHit(best_hit.keys[:keep], min(best_hit.windowless, keep))
-        return tree.match(list(tokens)[: best * self.page_size], probe=False), StorageHit([])
+        cut = list(tokens)[: best * self.page_size]
+        return tree.match(cut, probe=False, prior=m.prior), StorageHit([])
 
     def probe(self, namespace, digests: Sequence[bytes], exists) -> tuple[StorageHit, StorageHit]:
         """Two readings of the pages after the tree's match (``exists(keys)``: how many of
@@ -120,7 +121,7 @@ class SlidingWindow:
 
     # -- inserting ------------------------------------------------------------------------------
     @staticmethod
-    def insert(manager, tokens, slots, windowless: int) -> int:
+    def insert(manager, tokens, slots, windowless: int, prior: bytes = b"") -> int:
         """``CacheManager.insert`` of a request whose first ``windowless`` tokens hold full KV
         only: those go in as tombstones, the rest as whole nodes. Returns the leading tokens
         that were on the device already; duplicates after them are the request's own slots and
@@ -128,7 +129,7 @@ class SlidingWindow:
         n, first, start = len(tokens), None, 0
         for end in sorted({min(windowless, n), n} - {0}):
             dup, new, kept = manager.tree.insert(
-                tokens[:end], slots[:end], windowless=end <= windowless
+                tokens[:end], slots[:end], windowless=end <= windowless, prior=prior
             )
             if first is None:
                 first = dup
@@ -172,7 +173,7 @@ class SlidingWindow:
         window slots were freed; their full KV stays (children may keep their window KV).
         Returns the tokens whose window KV went."""
         order = sorted(
-            (n for n in _device_nodes(tree.root) if _window_evictable(n)),
+            (n for r in tree.roots.values() for n in _device_nodes(r) if _window_evictable(n)),
             key=lambda n: tuple(tree.device_policy.priority(n)),
         )
         freed = 0

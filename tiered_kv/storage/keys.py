@@ -130,6 +130,27 @@ def page_digests(
     return out
 
 
+_EXTRA_KEY = b"tiered-kv/request-extra-key/1\0"
+
+
+def extra_key_prior(extra_key: str | bytes | None) -> bytes:
+    """The chain's starting digest for a request's ``extra_key`` (an opaque per-request
+    identity: LoRA adapter id and revision, cache salt, multimodal content hashes): b"" for
+    None, else SHA-256 of a fixed tag and the whole key (UTF-8 for a str), so requests with
+    different extra keys never share a page digest, a page key or a state key. The key is
+    hashed at full width: no prefix of it stands for it."""
+    if extra_key is None:
+        return b""
+    if isinstance(extra_key, str):
+        extra_key = extra_key.encode("utf-8", "surrogatepass")
+    if not isinstance(extra_key, (bytes, bytearray, memoryview)) or not len(extra_key):
+        raise InvalidArgumentError(
+            f"extra_key={extra_key!r:.80} must be None (no per-request identity) or a "
+            "non-empty str or bytes (e.g. 'lora=<adapter id>@<revision>;salt=<cache salt>')"
+        )
+    return hashlib.sha256(_EXTRA_KEY + bytes(extra_key)).digest()
+
+
 def page_keys(
     namespace: StorageNamespace,
     tokens: Sequence[int] | np.ndarray | torch.Tensor,

@@ -13,8 +13,8 @@ queue (or marked to be looked at).
 from __future__ import annotations
 
 from tiered_kv.errors import IntegrityError
-from tiered_kv.storage.keys import page_digests
-from tiered_kv.tree.node import first_page, walk
+from tiered_kv.storage.keys import DIGEST_BYTES, page_digests
+from tiered_kv.tree.node import first_page
 from tiered_kv.tree.tiered_tree import TieredTree
 from tiered_kv.tree.victims import unqueued
 
@@ -29,7 +29,12 @@ def check_tree(tree: TieredTree, *, jobs: set | None = None) -> None:
     def fail(where: str, what: str) -> None:
         raise IntegrityError(f"{where}: {what} (tree of {nodes} nodes checked so far)")
 
-    for n in walk(root):
+    for prior, r in tree.roots.items():
+        if r.parent is not None or r.key or r.on_device or r.on_host or r.lock_ref != 1:
+            fail(repr(r), f"the root of identity {prior.hex()[:16]!r} is not a bare root")
+        if r is not root and (r.digests != [prior] or len(prior) != DIGEST_BYTES):
+            fail(repr(r), "an identity's root does not carry its identity's chain prior")
+    for n in tree.walk():
         nodes += 1
         where = repr(n)
         if n.parent is None or n.parent.children.get(first_page(n.key, P)) is not n:
@@ -42,7 +47,7 @@ def check_tree(tree: TieredTree, *, jobs: set | None = None) -> None:
         if not (n.on_device or n.on_host):
             fail(where, "on neither device nor host")
         if n.on_device:
-            if not (n.parent is root or n.parent.on_device):
+            if not (n.parent.parent is None or n.parent.on_device):
                 fail(where, "on the device below a parent that is not (not prefix-closed)")
             if len(n.device) != len(n):
                 fail(where, f"{len(n.device)} device slots for {len(n)} tokens")

@@ -10,6 +10,11 @@ Residency rules kept at all times (``check_integrity`` verifies them):
   match is "device part, then host part";
 - ``lock_ref`` > 0 keeps a node's device slots, ``host_ref`` > 0 its host slots; a node with a
   copy in flight (``pending``) is never evicted from the tier the copy touches.
+- requests with a per-request identity (``extra_key``: a LoRA adapter, a cache salt,
+  multimodal hashes) match and insert below a root of their own, named by the identity's
+  chain prior (``storage.keys.extra_key_prior``, which is also that root's only digest, so its
+  pages' digests and storage keys differ too): no page is ever shared across identities. A
+  non-default root that loses its last child is dropped.
 The residency sizes (device tokens, host tokens, evictable device tokens) are kept as counters,
 updated by every method that changes a node, never by walking the tree.
 """
@@ -22,7 +27,7 @@ import torch
 
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import JobId, PendingKind
-from tiered_kv.storage.keys import page_digests
+from tiered_kv.storage.keys import DIGEST_BYTES, page_digests
 from tiered_kv.tree.node import TreeNode, common_pages, first_page, path_to_root, walk
 from tiered_kv.tree.policies import EvictionPolicy, make_policy
 from tiered_kv.tree.victim_queue import VictimQueue
@@ -40,6 +45,8 @@ class TreeMatch(NamedTuple):
     device_len: int
     host_len: int  # tokens after the device part, on the host
     probe_digests: tuple  # chain digests of the pages after the match (to look up in storage)
+    root: TreeNode  # the root of the request's identity (a new one, unlinked, if none yet)
+    prior: bytes = b""  # that identity's chain prior (b"": no extra key)
 
     @property
     def length(self) -> int:
@@ -69,6 +76,7 @@ class TieredTree:
         self.host_policy: EvictionPolicy = make_policy(host_policy)
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
+        self._roots: dict[bytes, TreeNode] = {b"": self.root}  # per request identity
         self.device_tokens = 0
         self.host_tokens = 0
         self.evictable_device_tokens = 0  # on the device with lock_ref == 0
@@ -83,18 +91,46 @@ class TieredTree:
             self.host_queue.mark(node)
 
     def nodes(self) -> list[TreeNode]:
-        return list(walk(self.root))
+        return list(self.walk())
+
+    def walk(self):
+        """Every node below every root (depth first, parents before children)."""
+        for root in list(self._roots.values()):
+            yield from walk(root)
+
+    @property
+    def roots(self) -> dict[bytes, TreeNode]:
+        """The root of each request identity in the tree, by chain prior (b"": the default)."""
+        return dict(self._roots)
+
+    def _root(self, prior: bytes, create: bool) -> TreeNode:
+        """The root of identity ``prior`` (a new one, registered only if ``create``)."""
+        root = self._roots.get(prior)
+        if root is None:
+            if not isinstance(prior, bytes) or len(prior) != DIGEST_BYTES:
+                raise InvalidArgumentError(
+                    f"prior={prior!r:.40} must be b'' or {DIGEST_BYTES} bytes (a request "
+                    "identity's chain prior, storage.keys.extra_key_prior)"
+                )
+            root = TreeNode()
+            root.lock_ref = 1
+            root.digests = [prior]  # its pages chain from the identity's prior
+            if create:
+                self._roots[prior] = root
+        return root
 
     def aligned(self, tokens) -> tuple:
         key = tuple(int(t) for t in tokens)
         return key[: len(key) - len(key) % self.page_size]
 
     # -- reading --------------------------------------------------------------------------------
-    def match(self, tokens, *, probe: bool = True) -> TreeMatch:
-        """The cached prefix of ``tokens`` (whole pages). Changes nothing. ``probe``: also the
-        chain digests of the pages after it (when the tree keeps digests)."""
+    def match(self, tokens, *, probe: bool = True, prior: bytes = b"") -> TreeMatch:
+        """The cached prefix of ``tokens`` (whole pages) under the request identity ``prior``
+        (``extra_key_prior``; b"": none). Changes nothing. ``probe``: also the chain digests of
+        the pages after it (when the tree keeps digests)."""
         key = self.aligned(tokens)
-        node, pos, prior = self.root, 0, b""
+        root = self._root(prior, create=False)
+        node, pos, chain = root, 0, prior
         steps, dev_parts = [], []
         dev_len = host_len = 0
         while pos < len(key):
@@ -111,21 +147,22 @@ class TieredTree:
             else:
                 host_len += n
             if self.digests:
-                prior = child.digests[n // self.page_size - 1]
+                chain = child.digests[n // self.page_size - 1]
             node, pos = child, pos + n
             if n < len(child):
                 break
         probe_digests: tuple = ()
         if probe and self.digests and pos < len(key):
-            probe_digests = tuple(page_digests(key[pos:], self.page_size, prior))
+            probe_digests = tuple(page_digests(key[pos:], self.page_size, chain))
         device = torch.cat(dev_parts) if dev_parts else _EMPTY
-        return TreeMatch(key, tuple(steps), device, dev_len, host_len, probe_digests)
+        return TreeMatch(key, tuple(steps), device, dev_len, host_len, probe_digests, root, prior)
 
     def node_at(self, match: TreeMatch) -> tuple[TreeNode, TreeNode]:
         """(last device node, last node) of ``match`` as whole nodes: a node matched in part is
         split first (the only change). The root stands for an empty part. Call it once per
         match: after a split, ``match.steps`` names the back half."""
-        last_dev = last = self.root
+        # The identity's root joins the tree here (a caller may add children below it).
+        last_dev = last = self._roots.setdefault(match.prior, match.root)
         for node, n in match.steps:
             if n < len(node):
                 node = self._split(node, n)
@@ -159,7 +196,12 @@ class TieredTree:
 
     # -- inserting ------------------------------------------------------------------------------
     def insert(
-        self, tokens, device_indices: torch.Tensor, *, windowless: bool = False
+        self,
+        tokens,
+        device_indices: torch.Tensor,
+        *,
+        windowless: bool = False,
+        prior: bytes = b"",
     ) -> tuple[int, list[TreeNode], int]:
         """Record that ``tokens`` (whole pages) have KV in ``device_indices``. Returns (how many
         leading tokens were already on the device, the new nodes, how many leading tokens the
@@ -167,14 +209,15 @@ class TieredTree:
         after the recorded ones (the tree stops at a failed load's stale copy, so that nothing
         is kept below garbage). Host-only nodes on the way adopt the caller's slots.
         ``windowless``: the slots hold full KV only (sliding-window models): new nodes and
-        host-only nodes adopting them become tombstones."""
+        host-only nodes adopting them become tombstones. ``prior``: the request's identity
+        (see ``match``)."""
         key = self.aligned(tokens)
         if len(key) != len(tokens) or len(device_indices) != len(key):
             raise InvalidArgumentError(
                 f"insert needs whole pages of page_size={self.page_size} and one slot per token; "
                 f"got {len(tokens)} tokens and {len(device_indices)} slots"
             )
-        node, pos, dup, new = self.root, 0, 0, []
+        node, pos, dup, new = self._root(prior, create=True), 0, 0, []
         while pos < len(key):
             child = node.children.get(first_page(key[pos:], self.page_size))
             if child is not None and child.stale:
@@ -277,9 +320,16 @@ class TieredTree:
         return Released(dev, host, tokens)
 
     def _unlink(self, node: TreeNode) -> None:
-        del node.parent.children[first_page(node.key, self.page_size)]
-        self._mark(node.parent)  # may be a leaf now
+        parent = node.parent
+        del parent.children[first_page(node.key, self.page_size)]
+        self._mark(parent)  # may be a leaf now
         node.parent = None
+        if parent.parent is None and not parent.children and parent is not self.root:
+            # An identity's root with nothing below it goes: one salt per request must not
+            # grow the tree without bound (it comes back with the identity's next insert).
+            prior = parent.last_digest()
+            if self._roots.get(prior) is parent:
+                del self._roots[prior]
 
     def mark_stale(self, node: TreeNode) -> None:
         """``node``'s device copy came from a failed load (its host copy, the source, stays)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import PendingKind, Tier
-from tiered_kv.tree.node import TreeNode, walk
+from tiered_kv.tree.node import TreeNode
 from tiered_kv.tree.tiered_tree import TieredTree
 
 
@@ -65,7 +65,7 @@ def victims(
 
     for n in policy.take_changed():
         queue.mark(n)
-    queue.prepare(rank, lambda: walk(tree.root), evictable, keyof)
+    queue.prepare(rank, tree.walk, evictable, keyof)
     while True:
         n = queue.pop(evictable, keyof, policy.bucket_rank)
         if n is None:
@@ -91,7 +91,7 @@ def unqueued(tree: TieredTree) -> list[tuple[Tier, TreeNode]]:
         for n in policy.take_changed():
             queue.mark(n)
         rank = queue.rank_fn
-        for n in walk(tree.root):
+        for n in tree.walk():
             if evictable(n):
                 key = (policy.bucket(n), rank(n) if rank else 0, policy.order(n))
                 if not queue.covers(n, key):
