@@ -98,6 +98,9 @@ class Model:
             self.k_shape = (c.num_layers, c.head_num, c.head_dim)
             self.v_shape = (c.num_layers, c.head_num, c.v_head_dim or c.head_dim)
         self._kv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The request identity (``begin(extra_key=...)``) whose KV is asked for: the same
+        # tokens under another LoRA adapter or cache salt have other KV.
+        self.identity: str | bytes | None = None
         # A sliding-window model: window layers' KV counts only inside the window of the next
         # query (a window-aware cache frees the rest; reading it gives the padding slot's).
         self.window = c.sliding_window if c.model == "swa" else None
@@ -116,7 +119,7 @@ class Model:
         return k, v
 
     def _token(self, prefix: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._kv.get(prefix)
+        kv = self._kv.get((self.identity, prefix))
         if kv is None:
             k = torch.randn(self.k_shape, generator=self.gen).to(self.dtype)
             if self.dsa:  # "V" is the indexer key (float), stored quantized
@@ -125,7 +128,7 @@ class Model:
                 v = k[..., : self.v_cols]
             else:
                 v = torch.randn(self.v_shape, generator=self.gen).to(self.dtype)
-            kv = self._kv[prefix] = (k, v)
+            kv = self._kv[(self.identity, prefix)] = (k, v)
         return kv
 
     def expected(self, tokens, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +196,7 @@ class Model:
                 self.cache.write_index_k(layer, slots, v[layer])
 
     def begin(self, prompt):
-        req = self.cache.begin(prompt)
+        req = self.cache.begin(prompt, extra_key=self.identity)
         h = req.hits
         assert h.prompt_tokens == len(prompt)
         assert h.device + h.host + h.storage + h.missed == len(prompt), h

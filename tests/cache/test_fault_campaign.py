@@ -42,7 +42,8 @@ MAX_LIVE = 4
 MAX_PROMPT = 40
 MAX_DECODE = 6
 OPS = int(os.environ.get("TIERED_KV_CAMPAIGN_OPS", 2000))
-ENGINE_KINDS = ("mha", "hybrid")  # pools with one host pool (its copies may run as engine jobs)
+ENGINE_KINDS = ("mha", "hybrid")
+DRAW = object()  # begin: draw the request's identity  # pools with one host pool (its copies may run as engine jobs)
 
 
 class InjectedCopyFault(RuntimeError):
@@ -202,6 +203,7 @@ class Live:
     prompt: list[int]
     decode_left: int
     prepared: bool = False
+    extra: str | bytes | None = None  # the request's identity (begin's extra_key)
 
 
 class Campaign:
@@ -210,7 +212,13 @@ class Campaign:
     model_cls = Model  # the stand-in model: KV per token prefix
 
     def __init__(
-        self, tmp_path, seed: int, write_policy: str, prefetch_policy: str, kind: str = "mha"
+        self,
+        tmp_path,
+        seed: int,
+        write_policy: str,
+        prefetch_policy: str,
+        kind: str = "mha",
+        **changes,
     ) -> None:
         self.rng = random.Random(seed)
         self.faults = Faults(seed, rate=0.1)
@@ -233,7 +241,7 @@ class Campaign:
             storage_batch_pages=2,
             host_layout=self.rng.choice(HostLayout.values()),
             io_backend=io,
-            **window,
+            **{**window, **changes},
         )
         counts = (
             "begins",
@@ -253,6 +261,7 @@ class Campaign:
         self.tiers = {"device": 0, "host": 0, "storage": 0}
         self.first_wrong: str | None = None
         self.window_before: dict[str, int] = {}  # window counters of the caches before restarts
+        self.extra_keys: list | None = None  # identities drawn per request (None: no extra key)
 
     def model_fields(self, kind: str) -> dict:
         """The config fields of this pool kind beyond the campaign's own."""
@@ -285,6 +294,7 @@ class Campaign:
         """Compare ``end`` tokens of the request's KV with the model's; False when the forward
         hit its prefix load's copy error (the caller aborts the request)."""
         req = live.req
+        self.model.identity = live.extra
         # What a reader of a failed load hits: the injected error, or (faults in engine jobs)
         # the engine's refusal of a layer.
         failed_load = (InjectedCopyFault, TransferError) if self.engine else InjectedCopyFault
@@ -318,17 +328,23 @@ class Campaign:
         self.prompts.append(prompt)
         return prompt
 
-    def begin(self, prompt: list[int]) -> None:
-        live = self.begun(self.cache.begin(prompt), prompt)
+    def draw_extra(self):
+        """A request identity: None, or one of ``extra_keys`` (same tokens, other KV)."""
+        return self.rng.choice(self.extra_keys) if self.extra_keys else None
+
+    def begin(self, prompt: list[int], extra=DRAW) -> None:
+        extra = self.draw_extra() if extra is DRAW else extra
+        live = self.begun(self.cache.begin(prompt, extra_key=extra), prompt, extra)
         if self.rng.random() < 0.6 and not self.check(live, live.req.prefix_len, "after begin"):
             self.retry(live)
 
     def begin_batch(self, prompts: list[list[int]]) -> None:
         """Requests whose forward runs together: their host hits load as one job, the layer
         waits follow it. All are read before any is begun again (a retry moves the waits)."""
-        reqs = self.cache.begin_many(prompts)
+        extras = [self.draw_extra() for _ in prompts]
+        reqs = self.cache.begin_many(prompts, extra_keys=extras)
         self.n["batched"] += len(reqs)
-        lives = [self.begun(req, p) for req, p in zip(reqs, prompts, strict=True)]
+        lives = [self.begun(r, p, e) for r, p, e in zip(reqs, prompts, extras, strict=True)]
         failed = [
             live
             for live in lives
@@ -338,21 +354,21 @@ class Campaign:
         for live in failed:
             self.retry(live)
 
-    def begun(self, req: Request, prompt: list[int]) -> Live:
+    def begun(self, req: Request, prompt: list[int], extra=None) -> Live:
         h = req.hits
         assert h.device + h.host + h.storage + h.missed == len(prompt) and h.missed >= 1, h
         assert req.tokens == prompt[: req.prefix_len] and len(req.slots) == req.prefix_len
         self.n["begins"] += 1
         for t in self.tiers:
             self.tiers[t] += getattr(h, t)
-        live = Live(req, prompt, self.rng.randint(0, MAX_DECODE))
+        live = Live(req, prompt, self.rng.randint(0, MAX_DECODE), extra=extra)
         self.live.append(live)
         return live
 
     def retry(self, live: Live) -> None:
         """The forward failed on the request's prefix: abort it and begin it again."""
         self.abort(live)
-        self.begin(live.prompt)
+        self.begin(live.prompt, live.extra)
 
     def abort(self, live: Live) -> None:
         self.cache.abort(live.req)
@@ -360,6 +376,7 @@ class Campaign:
 
     def advance(self, live: Live) -> None:
         req, rng = live.req, self.rng
+        self.model.identity = live.extra
         if not live.prepared:
             try:
                 self.cache.prepare_forward(req)
