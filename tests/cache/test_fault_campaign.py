@@ -42,8 +42,8 @@ MAX_LIVE = 4
 MAX_PROMPT = 40
 MAX_DECODE = 6
 OPS = int(os.environ.get("TIERED_KV_CAMPAIGN_OPS", 2000))
-ENGINE_KINDS = ("mha", "hybrid")
-DRAW = object()  # begin: draw the request's identity  # pools with one host pool (its copies may run as engine jobs)
+ENGINE_KINDS = ("mha", "hybrid")  # pools with one host pool (its copies may run as engine jobs)
+DRAW = object()  # begin: draw the request's identity
 
 
 class InjectedCopyFault(RuntimeError):
