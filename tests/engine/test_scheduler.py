@@ -366,3 +366,31 @@ def test_thousands_of_steps_never_overcommit(make_cache, tmp_path):
     assert sched.stats.retracted > 0 and len(sched.finished) > 300
     assert_bitwise(sched.finished)
     assert time.monotonic() - t0 < 300
+
+
+# -- request identity ---------------------------------------------------------------------------
+def test_requests_of_other_identities_never_share_a_prefix(make_cache):
+    """Issue 27: the same prompt under three extra keys (two LoRA adapters and none): each
+    identity's second request is served its own first request's prefix, never another's, and
+    the outputs stay bitwise."""
+    cache = make_cache()
+    sched = Scheduler(cache, MODEL, SchedulerConfig(chunk_size=16, record_logits=True))
+    prompt = [3 + (i * 7) % 90 for i in range(37)]
+    keys = [None, "lora=a@1", "lora=b@2"]
+    first = []
+    for k in keys:  # one after another: each finds the earlier identities' pages cached
+        first.append(sched.add(prompt, 3, extra_key=k))
+        while sched.waiting or sched.running:
+            sched.step()
+            check_pools(sched)
+    assert [r.cached_tokens for r in first] == [0, 0, 0]  # nothing shared across identities
+    second = [sched.add(prompt, 3, extra_key=k) for k in keys]
+    while sched.waiting or sched.running:
+        sched.step()
+        check_pools(sched)
+    assert [r.cached_tokens for r in second] == [32, 32, 32]
+    assert len(cache.tree.roots) == 3
+    assert_bitwise(first + second)
+    with pytest.raises(InvalidArgumentError, match="extra_key="):
+        sched.add(prompt, 3, extra_key="")
+    assert not sched.waiting

@@ -167,3 +167,19 @@ def test_generator_throughput_is_measured(tmp_path):
         f"\nsynthetic KV: generate {gen_gbs:.2f} GB/s ({nbytes / 2**20:.0f} MiB, llama-3-8b), "
         f"write through the cache {write_gbs / 1e9:.2f} GB/s"
     )
+
+
+def test_another_identity_gives_the_same_tokens_other_digests():
+    """Issue 27: the synthetic KV of a request is a function of its identity too (as another
+    LoRA adapter's KV would be), chained from its extra key's prior."""
+    from tiered_kv.storage.keys import extra_key_prior, page_digests
+
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 50_000, 23).tolist()
+    plain = token_digests(tokens, 0, 23, 5)
+    lora = token_digests(tokens, 0, 23, 5, extra_key_prior("lora=a@1"))
+    assert len(plain) == len(lora) == 23 and set(plain).isdisjoint(lora)
+    # A page's last position is that page's chain digest under the same prior.
+    prior = extra_key_prior("lora=a@1")
+    assert [lora[p * 5 + 4] for p in range(4)] == page_digests(tokens, 5, prior)
+    assert token_digests(tokens, 7, 19, 5, prior) == lora[7:19]

@@ -113,6 +113,8 @@ class EngineRequest:
     prompt: list[int]
     max_new_tokens: int
     arrival_step: int
+    extra_key: str | bytes | None = None  # its identity beyond its tokens (``begin``)
+    prior: bytes = b""  # that identity's chain prior (``storage.keys.extra_key_prior``)
     output: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     queued_step: int = 0  # when it last entered the waiting queue (the starvation clock)

@@ -17,13 +17,14 @@ class CachedPrefix(NamedTuple):
 
 
 def cached_prefix(
-    cache: TieredKVCache, tokens: list[int], *, storage: bool = False
+    cache: TieredKVCache, tokens: list[int], *, storage: bool = False, prior: bytes = b""
 ) -> CachedPrefix:
-    """The cached prefix of ``tokens`` (whole pages). ``storage``: also ask the store how many
-    of the following pages it holds (one ``batch_exists``; a store that fails counts 0)."""
+    """The cached prefix of ``tokens`` (whole pages) for the request identity ``prior``
+    (``storage.keys.extra_key_prior``). ``storage``: also ask the store how many of the
+    following pages it holds (one ``batch_exists``; a store that fails counts 0)."""
     tree, manager = cache.tree, cache.manager
     probe = storage and manager.store is not None and manager.namespace is not None
-    m = tree.match(tokens, probe=probe)
+    m = tree.match(tokens, probe=probe, prior=prior)
     unlocked = sum(n for node, n in m.steps if node.on_device and node.lock_ref == 0)
     stored = 0
     if probe and m.probe_digests:

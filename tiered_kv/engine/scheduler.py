@@ -38,6 +38,7 @@ from tiered_kv.engine.model import TinyLlama
 from tiered_kv.engine.prefix_probe import CachedPrefix, cached_prefix
 from tiered_kv.engine.serve import PagedKV
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.storage.keys import extra_key_prior
 
 
 class Scheduler:
@@ -69,10 +70,14 @@ class Scheduler:
         self._finishing: list = []  # cache requests done this phase, finished together
 
     # -- public -------------------------------------------------------------------------------
-    def add(self, prompt, max_new_tokens: int) -> EngineRequest:
-        """Queue a request (arriving at the current step). Raises InvalidArgumentError when it
-        could not run even alone in an empty device pool."""
+    def add(
+        self, prompt, max_new_tokens: int, extra_key: str | bytes | None = None
+    ) -> EngineRequest:
+        """Queue a request (arriving at the current step). ``extra_key``: its identity beyond
+        its tokens (see ``TieredKVCache.begin``). Raises InvalidArgumentError when it could not
+        run even alone in an empty device pool, or for a bad extra key."""
         prompt = token_ids(prompt)
+        prior = extra_key_prior(extra_key)
         check_positive_int("max_new_tokens", max_new_tokens)
         if not prompt:
             raise InvalidArgumentError("prompt needs at least one token")
@@ -89,7 +94,9 @@ class Scheduler:
                 f"{len(prompt)} prompt + {max_new_tokens} new tokens cannot fit a device pool of "
                 f"{self.capacity} tokens even alone (at most {fit or 0} new tokens would)"
             )
-        req = EngineRequest(self._next_id, prompt, max_new_tokens, self.step_count)
+        req = EngineRequest(
+            self._next_id, prompt, max_new_tokens, self.step_count, extra_key, prior
+        )
         req.queued_step = self.step_count
         self._next_id += 1
         self.waiting.append(req)
@@ -146,7 +153,8 @@ class Scheduler:
         probe_store = self.config.storage_weight > 0
 
         def cached(w: EngineRequest) -> CachedPrefix:
-            return cached_prefix(self.cache, (w.prompt + w.output)[:-1], storage=probe_store)
+            tokens = (w.prompt + w.output)[:-1]
+            return cached_prefix(self.cache, tokens, storage=probe_store, prior=w.prior)
 
         return admission_order(self.waiting, self.step_count, self.config, cached)
 
@@ -162,8 +170,9 @@ class Scheduler:
             if len(self.running) + len(chosen) >= self.config.max_running:
                 break
             tokens = w.prompt + w.output
-            device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1])
-            if self._defer(w, tokens, device + host, [t for _, t in chosen]):
+            device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1], prior=w.prior)
+            same = [t for c, t in chosen if c.prior == w.prior]  # only its identity's pages
+            if self._defer(w, tokens, device + host, same):
                 continue
             need = self._paged(len(tokens)) - device + self.reserve
             if not self._fits(need + committed, locking=locking + unlocked):
@@ -172,7 +181,9 @@ class Scheduler:
             committed, locking = committed + need, locking + unlocked
         if not chosen:
             return ()
-        reqs = self.cache.begin_many([tokens for _, tokens in chosen])
+        reqs = self.cache.begin_many(
+            [tokens for _, tokens in chosen], extra_keys=[w.extra_key for w, _ in chosen]
+        )
         admitted, committed, full = [], base, False
         for (w, tokens), req in zip(chosen, reqs, strict=True):
             need = self._paged(len(tokens)) - req.prefix_len + self.reserve
@@ -205,7 +216,7 @@ class Scheduler:
         threshold = self.config.defer_threshold
         if not threshold or self.step_count - w.queued_step >= self.config.max_wait_steps:
             return False
-        ahead = [r.target for r in self.running] + chosen
+        ahead = [r.target for r in self.running if r.prior == w.prior] + chosen
         shared = max((shared_len(tokens, t, self.page_size) for t in ahead), default=0)
         return shared - cached >= threshold
 

@@ -149,11 +149,18 @@ class Server:
         self._count = 0
 
     def serve(
-        self, prompt: list[int], max_new_tokens: int, *, verify: bool = False
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        verify: bool = False,
+        extra_key: str | bytes | None = None,
     ) -> tuple[list[int], RequestRecord]:
+        """One request through the cache; ``extra_key``: its identity beyond its tokens
+        (``TieredKVCache.begin``)."""
         cache, model = self.cache, self.model
         t0 = time.perf_counter()
-        req = cache.begin(prompt)
+        req = cache.begin(prompt, extra_key=extra_key)
         try:
             prefix = req.prefix_len
             cache.extend(req, prompt[prefix:])

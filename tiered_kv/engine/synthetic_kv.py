@@ -47,16 +47,18 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def token_digests(tokens, start: int, end: int, page_size: int) -> list[bytes]:
+def token_digests(tokens, start: int, end: int, page_size: int, prior: bytes = b"") -> list[bytes]:
     """The prefix digest of every position ``start..end-1`` of ``tokens``: SHA-256 of the digest
-    of the page before (empty for the first page) and this page's tokens up to the position
-    (little-endian uint32). A page's last position gets that page's ``page_digests`` entry."""
+    of the page before (``prior``, the request identity's chain prior, for the first page) and
+    this page's tokens up to the position (little-endian uint32). A page's last position gets
+    that page's ``page_digests`` entry. Another identity's tokens thus get other KV, as another
+    LoRA adapter's would."""
     if not 0 <= start <= end <= len(tokens):
         raise InvalidArgumentError(f"positions {start}..{end} are outside 0..{len(tokens)}")
     arr = np.asarray(tokens[:end], dtype="<u4")
     first = start // page_size
-    chain = page_digests(arr[: first * page_size], page_size)
-    prior = chain[-1] if chain else b""
+    chain = page_digests(arr[: first * page_size], page_size, prior)
+    prior = chain[-1] if chain else prior
     out: list[bytes] = []
     for page in range(first, (end + page_size - 1) // page_size):
         h = hashlib.sha256(prior)
@@ -174,7 +176,7 @@ class SyntheticKV:
         if start == end:
             return
         tokens, ps = req.tokens, self.page_size
-        digests = token_digests(tokens, start, end, ps)
+        digests = token_digests(tokens, start, end, ps, req.prior)
         positions = np.arange(start, end)
         slots = self._slots(cache, req, start, end)
         for layer in self.kv_layers:
@@ -215,7 +217,7 @@ class SyntheticKV:
         return int(bad.sum()) + self._verify_state(cache, req, end)
 
     def _verify_kv(self, cache: TieredKVCache, req: Request, end: int) -> torch.Tensor:
-        digests = token_digests(req.tokens, 0, end, self.page_size)
+        digests = token_digests(req.tokens, 0, end, self.page_size, req.prior)
         positions = np.arange(end)
         full = self._slots(cache, req, 0, end)
         pool = cache.device_pool
@@ -242,7 +244,9 @@ class SyntheticKV:
         if not self.state_layers:
             return 0
         pool, slot = cache.req_to_token.mamba_pool, req.kv.mamba_pool_idx
-        digest = token_digests(req.tokens, end - 1, end, self.page_size)[0] if end else b""
+        digest = b""
+        if end:
+            digest = token_digests(req.tokens, end - 1, end, self.page_size, req.prior)[0]
         bad = 0
         for layer in self.state_layers:
             st = pool.layer_cache(layer)
