@@ -267,3 +267,42 @@ def test_bad_extra_config_fails_the_attach_by_name(tmp_path, extra, match):
             shape(False, "page_first"), "dynamic", dynamic_extra_config(*OUR_BACKEND, **extra)
         )
     assert isinstance(info.value.__cause__, TieredKVError)
+
+
+# -- request identity (issue 27) ----------------------------------------------------------------
+def test_other_lora_adapters_never_share_a_stored_page(tmp_path, gen):
+    """Two requests with the same tokens and different ``extra_key`` (SGLang's LoRA adapter)
+    through SGLang's own controller: each finds only its own pages; the same adapter hits."""
+    rig = rig_for(tmp_path)
+    try:
+        assert rig.backend.identity_checked  # SGLang's hashes were probed at registration
+        toks = tokens(gen, 4)
+        dev = rig.fill_device(len(toks), gen)
+        want = rig.device_bytes(dev)
+        host = rig.write_to_host(dev)
+        assert rig.backup(host, toks, extra_key="lora-a") == len(toks)
+        rig.host.free(host)
+        rig.scrub_device(dev)
+        assert rig.prefetch(toks, extra_key="lora-b")[0] == 0
+        assert rig.prefetch(toks)[0] == 0  # no adapter is another identity too
+        got, host2 = rig.prefetch(toks, extra_key="lora-a")
+        assert got == len(toks)
+        back = rig.device_bytes(rig.load_to_device(host2))
+        assert all(torch.equal(a, b) for a, b in zip(back, want, strict=True))
+    finally:
+        rig.close()
+
+
+def test_an_sglang_whose_hashes_drop_the_extra_key_is_refused(tmp_path, monkeypatch):
+    """Where SGLang's storage hashes would not carry the adapter (an older SGLang), the
+    backend refuses to open rather than share KV across adapters."""
+    from tiered_kv.errors import StorageOpenError
+
+    utils = pytest.importorskip("sglang.srt.mem_cache.utils")
+
+    def dropped(key, prior_hash=None, page_size=None):
+        return utils.get_hash_str(list(key.token_ids), prior_hash, page_size=page_size)
+
+    monkeypatch.setattr(utils, "get_storage_hash_str", dropped)
+    with pytest.raises(StorageOpenError, match="drop the request's extra_key"):
+        rig_for(tmp_path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from queue import Empty
@@ -172,27 +173,33 @@ class SGLangRig:
             c.ack_write_queue.pop(0).finish_event.synchronize()
         return host_slots
 
-    def backup(self, host_slots: torch.Tensor, tokens: Sequence[int]) -> int:
-        """Host -> storage (``write_storage``, SGLang's backup thread); the tokens it stored."""
+    def backup(self, host_slots: torch.Tensor, tokens: Sequence[int], extra_key=None) -> int:
+        """Host -> storage (``write_storage``, SGLang's backup thread); the tokens it stored.
+        ``extra_key``: the request's LoRA adapter (SGLang seeds its hashes with it)."""
         c = self.controller
-        hashes = self.page_hashes(tokens)
+        hashes = self.page_hashes(tokens, extra_key)
         op_id = c.write_storage(host_slots, list(tokens), hashes)
         op = c.ack_backup_queue.get(timeout=ACK_TIMEOUT_S)
         if op.id != op_id:
             raise StateError(f"backup ack for operation {op.id}, expected {op_id}")
         return op.completed_tokens
 
-    def prefetch(self, tokens: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+    def prefetch(self, tokens: Sequence[int], extra_key=None) -> tuple[int, torch.Tensor | None]:
         """Storage -> host (``prefetch``: the hit query, then the transfer into freshly
-        allocated host pages); (tokens loaded, their host slots or None on a miss)."""
+        allocated host pages); (tokens loaded, their host slots or None on a miss).
+        ``extra_key``: the request's LoRA adapter, carried as SGLang does (its ``RadixKey``)."""
         c = self.controller
         self._prefetches += 1
         rid = f"req-{self._prefetches}"
+        key = list(tokens)
+        if extra_key is not None:
+            radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+            key = radix.RadixKey(array("q", key), extra_key=extra_key)
         if self.group:  # the hybrid controller names a request by its handle
             base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-            c.prefetch(base.CacheRequestHandle(rid, 0), list(tokens))
+            c.prefetch(base.CacheRequestHandle(rid, 0), key)
         else:
-            c.prefetch(rid, list(tokens))
+            c.prefetch(rid, key)
         op = c.prefetch_hit_queue.get(timeout=ACK_TIMEOUT_S)
         if op.storage_hit_count == 0:
             return 0, None
@@ -225,10 +232,15 @@ class SGLangRig:
             c.ack_load_queue.pop(0).finish_event.synchronize()
         return device_slots
 
-    def page_hashes(self, tokens: Sequence[int]) -> list[str]:
-        """SGLang's storage page hashes of ``tokens`` (its own function)."""
+    def page_hashes(self, tokens: Sequence[int], extra_key=None) -> list[str]:
+        """SGLang's storage page hashes of ``tokens`` (its own function) for a request with
+        ``extra_key`` (None: none)."""
         utils = importlib.import_module("sglang.srt.mem_cache.utils")
-        return utils.get_hash_str(list(tokens), None, page_size=self.shape.page_size)
+        if extra_key is None:
+            return utils.get_hash_str(list(tokens), None, page_size=self.shape.page_size)
+        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+        key = radix.RadixKey(array("q", tokens), extra_key=extra_key)
+        return utils.get_storage_hash_str(key, None, page_size=self.shape.page_size)
 
     def close(self) -> None:
         self.controller.detach_storage_backend()

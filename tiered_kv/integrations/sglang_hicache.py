@@ -16,7 +16,10 @@ backend ``StorageConfig.storage_backend`` names: the embedded ``lmdb`` store, ``
 verified on read (a damaged one is a miss, never served), and storage trouble is a counted miss;
 nothing raises into SGLang's storage threads. SGLang's page hashes (hex SHA-256 chains over the
 page tokens) are our chain digests, so a key is our namespace fingerprint followed by the hash's
-bytes.
+bytes. A request's identity beyond its tokens (SGLang's ``extra_key``: the LoRA adapter; its
+``cache_salt``) reaches us only inside those hashes, which SGLang 0.5.23 seeds with both; the
+backend checks that at registration and refuses to open where they would be dropped
+(``sglang_identity``). It cannot tell what else an ``extra_key`` should have held.
 
 Metrics: with ``enable_storage_metrics`` (SGLang's ``--enable-metrics``) ``get_stats`` returns
 SGLang's ``StorageMetrics`` of the batches since the last call (pages per prefetch / backup
@@ -45,6 +48,7 @@ from tiered_kv.integrations.sglang_config import (
     SGLangStorageConfig,
     read_settings,
 )
+from tiered_kv.integrations.sglang_identity import check_hashes_carry_identity
 from tiered_kv.integrations.sglang_pages import (
     FlatPages,
     HostPoolPages,
@@ -103,6 +107,9 @@ class TieredKVHiCacheStorage(_SGLangBase):
         if self.store is not None:
             raise StateError("register_mem_pool_host: this backend already has its host pool")
         s = self.settings
+        # Refused before anything opens: an SGLang whose page hashes drop a request's
+        # extra_key or cache_salt would have us serve one LoRA adapter's KV to another.
+        self.identity_checked = check_hashes_carry_identity(int(mem_pool_host.page_size))
         self.mem_pool_host = mem_pool_host
         pages = HostPoolPages(mem_pool_host)
         namespace = namespace_of(
