@@ -271,8 +271,9 @@ class TieredKVConfig:
                 "storage_bytes",
                 "0 when host_tokens is 0 (storage pages move through the host tier)",
             )
+            name, at, revision = (self.storage.model_id or "").rpartition("@")
             _need(
-                self.storage.model_id is not None,
+                bool(name and at and revision),
                 self.storage,
                 "model_id",
                 "the model's identity when storage_bytes > 0: its name plus a weights "

@@ -48,6 +48,7 @@ class StorageConfig:
     namespace_salt: str | None = None  # a tenant's salt: its keys never match another's
     model_id: str | None = None  # the model's name + weights fingerprint or revision (storage)
     rank: str | None = None  # the parallel rank, where ranks hold different bytes
+    kv_scales_id: str | None = None  # identity of quantized KV's scales (float8 KV needs one)
     storage_batch_pages: int = 32
     storage_layout: str = "slab"  # StorageLayout: where page bytes live on disk (local)
     storage_backend: str = "lmdb"  # BACKEND_HINT
@@ -81,7 +82,7 @@ class StorageConfig:
         _choice(self, "storage_layout", StorageLayout.values())
         s = self.namespace_salt
         _need(s is None or isinstance(s, str), self, "namespace_salt", "None or a str")
-        for n in ("model_id", "rank"):
+        for n in ("model_id", "rank", "kv_scales_id"):
             v = getattr(self, n)
             _need(v is None or (isinstance(v, str) and bool(v)), self, n, "None or a non-empty str")
         t = self.io_threads

@@ -60,16 +60,18 @@ def run_identity_campaign(
     print(f"identity campaign seed {seed} (TIERED_KV_CAMPAIGN_SEED={seed}), {kind} {changes}")
     c = IdentityCampaign(tmp_path, seed, write_policy, prefetch_policy, kind, **changes)
     try:
-        for _ in range(OPS):
+        for i in range(OPS):
+            if i == OPS // 2:
+                c.restart()  # at least once: a new cache over the same store
             c.step()
         c.settle()
     finally:
         c.cache.close()
     print(f"ops {OPS}, {c.n}, tier hits {c.tiers}, per identity {c.hits_by_identity}")
     assert c.n["wrong"] == 0, c.first_wrong
-    assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20, c.n
+    assert c.n["checked"] > 0 and c.n["begins"] > OPS // 20 and c.n["restarts"], c.n
     # Reuse within an identity is still served (the separation is not a cache turned off).
-    assert sum(1 for v in c.hits_by_identity.values() if v) >= 4, c.hits_by_identity
+    assert sum(1 for v in c.hits_by_identity.values() if v) >= 2, c.hits_by_identity
     assert c.tiers["device"] and c.tiers["host"], c.tiers
     if prefetch_policy != PrefetchPolicy.BEST_EFFORT:
         assert c.tiers["storage"], f"storage was never hit: {c.tiers}"
@@ -82,7 +84,7 @@ def test_identities_never_share_a_page_on_the_local_store(tmp_path, gen, write_p
     c = run_identity_campaign(
         tmp_path, gen, write_policy, PrefetchPolicy.WAIT_COMPLETE.value, storage_layout=layout
     )
-    assert c.n["restarts"] or OPS < 1000, c.n  # a new cache over the same store was tried
+    assert c.n["stored_found"], c.n  # the store was asked and answered
 
 
 @pytest.mark.parametrize("kind", ["swa", "dsa"])

@@ -288,15 +288,15 @@ class HybridCampaign(Campaign):
         self.audit_snapshots(chain[start // ps :])  # the snapshots this forward may have taken
 
     # -- operations -----------------------------------------------------------------------------
-    def begun(self, req, prompt):
-        live = super().begun(req, prompt)
+    def begun(self, req, prompt, extra=None):
+        live = super().begun(req, prompt, extra)
         self.salted.discard(id(live))
         self.check_state(live, req.prefix_len, "after begin")
         return live
 
-    def begin(self, prompt):
+    def begin(self, prompt, *args):
         try:
-            super().begin(prompt)
+            super().begin(prompt, *args)
         except StateError as exc:  # Mamba slots held elsewhere: the documented refusal
             assert "state slots" in str(exc), exc
             self.n["refused"] += 1

@@ -71,6 +71,12 @@ def test_settings_carry_the_store_model_and_writer():
         ({"storage_bytes": 1}, {}, r"storage_path"),
         ({"storage_path": "/x", "storage_bytes": 1, "storage_layout": "tape"}, {}, "tape"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"model_name": None}, r"model_id=None"),
+        (
+            {"storage_path": "/x", "storage_bytes": 1},
+            {"model_name": "meta-llama/Llama-3-8B"},
+            r"model_id='meta-llama/Llama-3-8B' is invalid: '<name>@<weights revision>'",
+        ),
+        ({"storage_path": "/x", "storage_bytes": 1, "model_id": "m@"}, {}, r"model_id='m@'"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"dcp_size": 2}, r"dcp_size > 1"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"tp_rank": -1}, r"tp_rank=-1"),
         ({"storage_path": "/x", "storage_bytes": 1}, {"should_split_heads": True}, r"tp_lcm_size"),

@@ -189,7 +189,11 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
             opened.append(device_host)
             if s.storage_bytes:
                 namespace = StorageNamespace.for_host_pool(
-                    host_pool, tenant=s.namespace_salt, model=s.model_id, rank=s.rank
+                    host_pool,
+                    tenant=s.namespace_salt,
+                    model=s.model_id,
+                    rank=s.rank,
+                    kv_scales=s.kv_scales_id,
                 )
                 storage = GuardedStorage(
                     functools.partial(

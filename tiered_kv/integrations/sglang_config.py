@@ -111,13 +111,16 @@ def read_settings(config: SGLangStorageConfig) -> HiCacheSettings:
             extra[unknown[0]],
             f"unknown key; valid keys are {', '.join(sorted(SGLANG_KEYS | OUR_KEYS))}",
         )
+    # SGLang's model name stands in only where it names a weights revision itself: a path or
+    # served name without one would let a fine-tune saved over its base share its pages.
     model_id = extra.get("model_id", config.model_name)
-    if not isinstance(model_id, str) or not model_id:
+    name, at, revision = model_id.rpartition("@") if isinstance(model_id, str) else ("", "", "")
+    if not (name and at and revision):
         raise _bad(
             "model_id",
             model_id,
-            "a non-empty str naming the model and its weights revision (SGLang gave no "
-            "--served-model-name / model path to default it to)",
+            "'<name>@<weights revision>' (a commit or checkpoint digest) in the extra config; "
+            "SGLang's model name stands in only when it has that form",
         )
     size = extra.get("storage_bytes")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

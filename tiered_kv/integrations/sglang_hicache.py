@@ -113,8 +113,13 @@ class TieredKVHiCacheStorage(_SGLangBase):
         self.mem_pool_host = mem_pool_host
         pages = HostPoolPages(mem_pool_host)
         namespace = namespace_of(
-            mem_pool_host, model=s.model_id, rank=s.rank, tenant=s.storage.namespace_salt
+            mem_pool_host,
+            model=s.model_id,
+            rank=s.rank,
+            tenant=s.storage.namespace_salt,
+            kv_scales=s.storage.kv_scales_id,
         )
+        namespace.check_complete()  # fail closed: nothing is defaulted
         opener = functools.partial(
             open_backend, s.storage, s.storage.storage_path, namespace, pages.page_nbytes
         )

@@ -55,9 +55,15 @@ def pool_parts(pool: SGLangHostPool) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def namespace_of(
-    pool: SGLangHostPool, *, model: str, rank: str | None, tenant: str | None
+    pool: SGLangHostPool,
+    *,
+    model: str,
+    rank: str | None,
+    tenant: str | None,
+    kv_scales: str | None = None,
 ) -> StorageNamespace:
-    """The namespace of this pool's pages, written by ``model`` on ``rank``."""
+    """The namespace of this pool's pages, written by ``model`` on ``rank`` (``kv_scales``:
+    the identity of fp8 KV's scales, which SGLang's pool does not name)."""
     layouts = MLA_LAYOUTS if is_mla_pool(pool) else MHA_LAYOUTS
     if pool.layout not in layouts:
         raise InvalidArgumentError(
@@ -76,6 +82,7 @@ def namespace_of(
         tenant=tenant,
         model=model,
         rank=rank,
+        kv_scales=kv_scales,
     )
 
 

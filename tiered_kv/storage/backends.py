@@ -55,7 +55,9 @@ def open_backend(
     namespace: StorageNamespace,
     page_nbytes: int,
 ) -> PageStorage:
-    """The store ``s`` configures, for ``namespace``'s pages of ``page_nbytes``."""
+    """The store ``s`` configures, for ``namespace``'s pages of ``page_nbytes``. A namespace
+    missing a field (``StorageNamespace.check_complete``) is refused first: fail closed."""
+    namespace.check_complete()
     if is_embedded(s.storage_backend):
         return _local(s, path, namespace, page_nbytes)
     cls = backend_class(s.storage_backend)

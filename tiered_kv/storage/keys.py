@@ -1,10 +1,11 @@
 """Page keys: a namespace fingerprint followed by a chain of SHA-256 digests over page tokens.
 
 Digest i = SHA-256(digest i-1 || token ids of page i as little-endian uint32); the first page
-chains from ``prior`` (empty by default), so a key names a page *and* everything before it. The
-namespace fingerprint covers the model geometry (pool kind, parts and their shapes, layers),
-the stored dtype, the page size, the host layout and an optional tenant salt: the same tokens
-under another model, layout or tenant never share a key.
+chains from ``prior`` (empty by default; a request identity's ``extra_key_prior``), so a key
+names a page, everything before it, and the request's identity. The namespace fingerprint
+covers every field of ``NAMESPACE_FIELDS``: the same tokens under another model, revision,
+dtype, scales, geometry, layout, rank or tenant never share a key. ``check_complete`` fails
+closed: a namespace missing a field a store needs is refused before any store opens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,28 @@ from typing import Any, NewType
 import numpy as np
 import torch
 
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, StorageOpenError
+from tiered_kv.storage.value_format import VERSION as VALUE_FORMAT_VERSION
+
+# Every field a namespace holds, and what it is: the one list (docs/storage_tier.md repeats it).
+NAMESPACE_FIELDS: dict[str, str] = {
+    "model": "the model's name and weights revision, '<name>@<revision>' (a commit, a "
+    "checkpoint digest): a fine-tune and its base never share a page",
+    "kind": "the pool kind that wrote the pages (mha, mla, a pool group, sglang-mha, ...)",
+    "parts": "each stored part's name and per-token shape (heads, head dims, latent width)",
+    "dtype": "the KV dtype, logical (two fp8 variants never share a page)",
+    "kv_scales": "the identity of the KV quantization scales (required for float8 KV; none "
+    "for unquantized KV)",
+    "page_size": "tokens per page",
+    "layout": "the host layout the page bytes are in",
+    "layer_ids": "the global layer ids the pages hold (a pipeline stage's own)",
+    "rank": "the tensor / pipeline / context-parallel rank, where ranks hold different bytes "
+    "(none: this process holds all of them)",
+    "tenant": "a tenant's salt (none: no tenant)",
+    "format": "the namespace encoding's version",
+    "value_format": "tiered_kv's stored value format version (value_format.VERSION)",
+}
+_NAMESPACE_FORMAT = 3  # 3: kv_scales and value_format joined the fields
 
 PageKey = NewType("PageKey", bytes)
 FINGERPRINT_BYTES = 16
@@ -30,9 +52,11 @@ KEY_BYTES = FINGERPRINT_BYTES + DIGEST_BYTES
 class StorageNamespace:
     """What a store's pages belong to. ``fingerprint`` prefixes every key and every value."""
 
-    description: str  # canonical JSON of the fields below
+    description: str  # canonical JSON of NAMESPACE_FIELDS
     fingerprint: bytes
     model: str | None = None  # which model wrote the pages (stores refuse a namespace without)
+    dtype: str = ""
+    kv_scales: str | None = None
 
     @classmethod
     def create(
@@ -47,16 +71,21 @@ class StorageNamespace:
         tenant: str | None = None,
         model: str | None = None,
         rank: str | None = None,
+        kv_scales: str | None = None,
     ) -> StorageNamespace:
         """``model``: the model's identity, a name plus a weights fingerprint or revision (two
         models with the same KV shape, a fine-tune and its base, must never share a page);
         ``rank``: the tensor / pipeline / context-parallel rank where ranks hold different
-        bytes; ``tenant``: a salt that keeps one tenant's pages from another's."""
-        for name, value in (("model", model), ("rank", rank), ("tenant", tenant)):
+        bytes; ``tenant``: a salt that keeps one tenant's pages from another's;
+        ``kv_scales``: the identity of quantized KV's scales (see ``NAMESPACE_FIELDS``)."""
+        named = (("model", model), ("rank", rank), ("tenant", tenant), ("kv_scales", kv_scales))
+        for name, value in named:
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidArgumentError(f"{name}={value!r} must be None or a non-empty str")
         fields: dict[str, Any] = {
-            "format": 2,
+            "format": _NAMESPACE_FORMAT,
+            "value_format": VALUE_FORMAT_VERSION,
+            "kv_scales": kv_scales,
             "model": model,
             "rank": rank,
             "kind": kind,
@@ -67,9 +96,11 @@ class StorageNamespace:
             "layout": str(layout),
             "tenant": tenant,
         }
+        if set(fields) != set(NAMESPACE_FIELDS):  # the list and the encoding never drift
+            raise AssertionError(f"namespace fields {sorted(fields)} != NAMESPACE_FIELDS")
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
-        return cls(text, digest, model)
+        return cls(text, digest, model, str(dtype), kv_scales)
 
     @classmethod
     def for_host_pool(
@@ -79,6 +110,7 @@ class StorageNamespace:
         *,
         model: str | None = None,
         rank: str | None = None,
+        kv_scales: str | None = None,
     ) -> StorageNamespace:
         """The namespace of a host pool's pages (its declaration, layout and page size) written
         by ``model`` (see ``create``)."""
@@ -93,7 +125,34 @@ class StorageNamespace:
             tenant=tenant,
             model=model,
             rank=rank,
+            kv_scales=kv_scales,
         )
+
+    def missing(self) -> list[str]:
+        """The fields a store needs that this namespace lacks, each with what would do."""
+        out = []
+        name, at, revision = (self.model or "").rpartition("@")
+        if self.model is None or not at or not name or not revision:
+            out.append(
+                f"model={self.model!r}: the model's name and weights revision, as "
+                "'<name>@<revision>' (TieredKVConfig.model_id / the integration's model_id)"
+            )
+        if "float8" in self.dtype and self.kv_scales is None:
+            out.append(
+                f"kv_scales=None with dtype {self.dtype}: name the KV quantization scales "
+                "(e.g. 'per-tensor:<checkpoint digest>'), or pages under other scales would match"
+            )
+        return out
+
+    def check_complete(self) -> None:
+        """Fail closed: StorageOpenError naming every field a store needs that is missing
+        (stores and integrations call it before they open; nothing is defaulted)."""
+        missing = self.missing()
+        if missing:
+            raise StorageOpenError(
+                "the storage namespace is incomplete, so its pages could be served to another "
+                "model or quantization; refusing to open the store: " + "; ".join(missing)
+            )
 
     def owns(self, key: bytes) -> bool:
         return len(key) == KEY_BYTES and key[:FINGERPRINT_BYTES] == self.fingerprint
