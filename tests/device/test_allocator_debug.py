@@ -1,9 +1,10 @@
 """Debug mode: one switch (TIERED_KV_DEBUG, or debug_mode=), on in this suite, off in production.
 
-Off, the allocators still hand out the right slots and still check shapes, dtypes, devices and
-counts; the checks that read index values run only when it is on. Each misuse below is refused
-with debug mode on and let through with it off, so turning the value checks always on (a sync
-per call on CUDA) or always off (no double-free detection) fails here.
+Off, the allocators still hand out the right slots and still check shapes, dtypes, devices,
+counts and the range of freed ids (one aminmax); the other checks that read index values run
+only when it is on. Each misuse in MISUSES is refused with debug mode on and let through with it
+off, so turning those value checks always on (a sync per call on CUDA) or always off (no
+double-free detection) fails here; each in RANGE_MISUSES is refused in both modes.
 """
 
 from __future__ import annotations
@@ -207,9 +208,6 @@ def _group_double_free(alloc):
 MISUSES = [
     (paged, _double_free, OwnershipError, "double free: pages \\[1\\]"),
     (token, _double_free, OwnershipError, "double free: pages \\[1\\]"),
-    (paged, _free_padding_slot, InvalidArgumentError, "outside the valid range"),
-    (token, _free_padding_slot, InvalidArgumentError, "outside the valid range"),
-    (paged, _free_outside_pool, InvalidArgumentError, "outside the valid range"),
     (token, _repeat_in_one_free, OwnershipError, "double free"),
     (paged, _bad_last_loc_decode, InvalidArgumentError, "last_loc\\[0\\]"),
     (paged, _device_cpu_lengths_differ, InvalidArgumentError, "hold different values"),
@@ -224,6 +222,22 @@ def test_value_checks_run_in_debug_mode_only(make, misuse, error, message):
     with pytest.raises(error, match=message):
         misuse(make(debug=True))
     misuse(make(debug=False))  # not read: the caller's bug goes through, as in SGLang
+
+
+# A freed id outside the pool is refused in every mode: it would enter the free list, be handed
+# out, and turn a later legitimate free into a double free (tests/device/test_free_range.py).
+RANGE_MISUSES = [
+    (paged, _free_padding_slot, InvalidArgumentError, "outside the valid range \\[16, "),
+    (token, _free_padding_slot, InvalidArgumentError, "outside the valid range \\[1, "),
+    (paged, _free_outside_pool, InvalidArgumentError, "outside the valid range"),
+]
+
+
+@pytest.mark.parametrize("make, misuse, error, message", RANGE_MISUSES)
+@pytest.mark.parametrize("debug", [True, False])
+def test_range_checks_run_in_every_mode(make, misuse, error, message, debug):
+    with pytest.raises(error, match=message):
+        misuse(make(debug=debug))
 
 
 def test_debug_mode_refuses_before_anything_changes():

@@ -13,10 +13,12 @@ Contracts:
 - a call that raises changes nothing;
 - the scheduler calls the capacity hooks without branching on the allocator type.
 
-Checks: shapes, dtypes and devices always (attribute reads); the checks that read index values
-(ranges of freed slots, double frees, ``last_loc`` and length consistency) only in debug mode
-(``debug_mode=``, default ``TIERED_KV_DEBUG``), where each raises before anything changes.
-Nothing here syncs with the device unless debug mode is on, except ``free``'s deduplication
+Checks: shapes, dtypes and devices always (attribute reads), and the range of every freed id
+(one ``aminmax``: an id outside the pool would otherwise enter the free list and turn a later,
+legitimate free into a double free); the other checks that read index values (double frees,
+``last_loc`` and length consistency) only in debug mode (``debug_mode=``, default
+``TIERED_KV_DEBUG``). Each raises before anything changes. Nothing here syncs with the device
+unless debug mode is on, except a free's range check and ``free``'s deduplication
 (``torch.unique``, as in the seed; ``free_segment`` avoids it).
 """
 
@@ -32,7 +34,7 @@ from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator import debug
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.free_list import PageStack, SlotQueue
-from tiered_kv.device.allocator.inputs import check_index
+from tiered_kv.device.allocator.inputs import check_free_pages, check_free_slots, check_index
 from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
@@ -201,16 +203,21 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
     def free(self, free_index: torch.Tensor) -> None:
         """Return the pages holding ``free_index`` (each page once, however many of its slots
         are listed; at page size 1 list each slot once). Inside a free group the release waits
-        for ``free_group_end``. Debug mode first refuses a slot outside the pool (slot 0
-        included) and a page that is already free, changing nothing."""
+        for ``free_group_end``. A slot outside pages 1..num_pages (padding page 0 included) is
+        refused in every mode, inside a group too (InvalidArgumentError); debug mode also refuses
+        a page that is already free (OwnershipError). Either changes nothing."""
         check_index("free_index", free_index, self)
         if free_index.shape[0] == 0:
             return
+        check_free_slots(self, "free_index", free_index)
+        self._free_checked(free_index)
+
+    def _free_checked(self, free_index: torch.Tensor) -> None:
+        """``free`` of a non-empty ``free_index`` whose shape and range the caller checked (a
+        composite allocator checks once, before any of its sides changes)."""
         if self.free_group is not None:
             self.free_group.append(free_index.clone())
             return
-        if self.debug_mode:
-            debug.check_slots(self, "free_index", free_index)
         pages = self._pages_of(free_index)
         if pages is free_index and self.need_sort:
             pages = pages.clone()  # staged for later: never the caller's tensor
@@ -230,21 +237,26 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
         check_index("free_index", free_index, self)
         if free_index.shape[0] == 0:
             return
-        if self.debug_mode:
-            debug.check_slots(self, "free_index", free_index)
+        check_free_slots(self, "free_index", free_index)
         if self.page_size == 1:
-            self.free_page_ids(free_index)
+            self._free_page_ids_checked(free_index)
             return
         reps = free_index[:: self.page_size] // self.page_size
         if self.debug_mode:
             debug.check_segment(free_index, reps, self.page_size)
-        self.free_page_ids(reps)
+        self._free_page_ids_checked(reps)
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
-        """Release whole pages by id, each listed once (deferred inside a free group)."""
+        """Release whole pages by id, each listed once (deferred inside a free group). A page
+        outside 1..num_pages is refused in every mode (InvalidArgumentError), changing nothing."""
         check_index("page_ids", page_ids, self)
         if page_ids.shape[0] == 0:
             return
+        check_free_pages(self, "page_ids", page_ids)
+        self._free_page_ids_checked(page_ids)
+
+    def _free_page_ids_checked(self, page_ids: torch.Tensor) -> None:
+        """``free_page_ids`` of non-empty pages inside 1..num_pages (checked by the caller)."""
         if self.free_page_ids_group is not None or self.need_sort:
             page_ids = page_ids.clone()  # kept for later: never the caller's tensor
         if self.free_page_ids_group is not None:
@@ -260,9 +272,9 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
         self.free_page_ids_group = []
 
     def free_group_end(self) -> None:
-        """Release everything freed since ``free_group_begin``. The no-double-free contract can
-        only be checked here (grouped pages are not in the free list yet); debug mode does,
-        before releasing anything."""
+        """Release everything freed since ``free_group_begin``. Each free checked its range
+        when it was called; the no-double-free contract can only be checked here (grouped pages
+        are not in the free list yet): debug mode does, before releasing anything."""
         if self.free_group is None:
             raise StateError("free_group_end called without free_group_begin")
         parts: list[torch.Tensor] = []

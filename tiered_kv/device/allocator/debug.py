@@ -1,25 +1,19 @@
-"""Debug mode's checks of the allocators: the ones that read index values.
+"""Debug mode's checks of the allocators: the ones that read index values beyond their range.
 
 Reading values costs a device sync on CUDA and O(free list) work on any device, so they run only
 with ``debug_mode`` (``TIERED_KV_DEBUG=1``, on in the test suite), as the seed runs its
-``free_group_end`` check. Each raises before anything changes: OwnershipError for what would
-hand one slot to two owners (a double free, a page freed twice, a slot handed out twice),
-InvalidArgumentError for a slot outside the pool or a malformed segment.
+``free_group_end`` check. (The range of freed ids is checked in every mode, by
+``inputs.check_free_slots``: one ``aminmax``, O(1) in Python.) Each raises before anything
+changes: OwnershipError for what would hand one slot to two owners (a double free, a page freed
+twice, a slot handed out twice), InvalidArgumentError for a malformed segment.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tiered_kv._checks import check_range
 from tiered_kv.device.allocator.inputs import AllocatorView
 from tiered_kv.errors import InvalidArgumentError, OwnershipError
-
-
-def check_slots(alloc: AllocatorView, name: str, slots: torch.Tensor) -> None:
-    """Every slot in pages 1..num_pages (page 0 is padding)."""
-    page = alloc.page_size
-    check_range(name, slots, page, (alloc.num_pages + 1) * page)
 
 
 def check_segment(free_index: torch.Tensor, reps: torch.Tensor, page_size: int) -> None:

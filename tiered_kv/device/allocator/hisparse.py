@@ -27,7 +27,12 @@ import torch
 from tiered_kv import platform
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator.capacity import CapacityHooks
-from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
+from tiered_kv.device.allocator.inputs import (
+    check_decode_args,
+    check_extend_args,
+    check_free_slots,
+    check_index,
+)
 from tiered_kv.device.allocator.paged import num_decode_pages, num_new_pages
 from tiered_kv.device.allocator.peer_table import new_peer_table, release_peers, sub_allocator
 from tiered_kv.device.kv_cache import KVCache
@@ -197,6 +202,8 @@ class HiSparseTokenToKVPoolAllocator(CapacityHooks):
         if type(need) is not int or need < 0 or need % p:
             raise InvalidArgumentError(f"need={need!r} must be an int >= 0, a multiple of {p}")
         check_index("logical", logical, self.logical_allocator)
+        if logical.shape[0]:  # the table is cleared at these ids: -1 would name its sentinel
+            check_free_slots(self.logical_allocator, "logical", logical)
         held = self.logical_to_device[logical.to(torch.int64)]
         held = held[held > 0]
         if held.numel() >= need:
@@ -221,12 +228,23 @@ class HiSparseTokenToKVPoolAllocator(CapacityHooks):
         return keep
 
     # -- freeing ----------------------------------------------------------------------------
+    # Every free checks the range of its ids first, in every mode, before anything changes:
+    # the table is indexed with logical ids, and -1 would name its sentinel.
+    def _check_logical(self, logical: torch.Tensor) -> bool:
+        """Shape and range of logical slots to free; False when there are none."""
+        check_index("logical", logical, self.logical_allocator)
+        if logical.shape[0] == 0:
+            return False
+        check_free_slots(self.logical_allocator, "logical", logical)
+        return True
+
     def free_device(self, logical: torch.Tensor) -> None:
         """Give back the device slots of logical slots (whole pages when paged); the logical
         slots stay. Tokens without one are skipped."""
-        check_index("logical", logical, self.logical_allocator)
-        if logical.numel() == 0:
-            return
+        if self._check_logical(logical):
+            self._free_device(logical)
+
+    def _free_device(self, logical: torch.Tensor) -> None:
         release_peers(self.logical_to_device, logical.to(torch.int64), self.device_allocator)
 
     def free_device_slots(self, device_slots: torch.Tensor) -> None:
@@ -237,11 +255,10 @@ class HiSparseTokenToKVPoolAllocator(CapacityHooks):
 
     def free(self, logical: torch.Tensor) -> None:
         """Release logical slots and the device slots they still have."""
-        check_index("logical", logical, self.logical_allocator)
-        if logical.numel() == 0:
+        if not self._check_logical(logical):
             return
-        self.free_device(logical)
-        self.logical_allocator.free(logical)
+        self._free_device(logical)
+        self.logical_allocator._free_checked(logical)
 
     def free_group_begin(self) -> None:
         self.logical_allocator.free_group_begin()

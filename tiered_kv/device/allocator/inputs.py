@@ -1,12 +1,15 @@
-"""Checks of allocation arguments, shared by the allocators. They raise InvalidArgumentError
-naming the value and what would be valid, before anything changes.
+"""Checks of allocation and free arguments, shared by the allocators. They raise
+InvalidArgumentError naming the value and what would be valid, before anything changes.
 
 Split by cost. Always on: every tensor is a 1-D integer tensor on the right device, the lengths
 agree, the counts are ints (three attribute reads a tensor, about 0.45 us on a CPU; the slow,
-message-building check runs only when the fast one fails). Debug mode only
-(``allocator.debug_mode``): the checks that read values, a device sync each on CUDA: lengths
-non-negative and consistent, device copies equal to the CPU copies, ``extend_num_tokens`` their
-sum, ``last_loc`` where the prefix ends.
+message-building check runs only when the fast one fails), and every id a free is given lies in
+the pool (``check_free_slots`` / ``check_free_pages``: one ``aminmax`` and two scalar reads, about
+2 us on a CPU and a device sync on CUDA). A freed id outside the pool would not fail by itself:
+it would enter the free list, be handed out, and turn the next legitimate free into a double
+free. Debug mode only (``allocator.debug_mode``): the other checks that read values, a device
+sync each on CUDA: lengths non-negative and consistent, device copies equal to the CPU copies,
+``extend_num_tokens`` their sum, ``last_loc`` where the prefix ends.
 """
 
 from __future__ import annotations
@@ -53,6 +56,42 @@ def index_ok(t: object, device_index: int | None) -> bool:
 def check_index(name: str, t: torch.Tensor, alloc: AllocatorView) -> None:
     if not index_ok(t, alloc.device_index):
         check_index_tensor(name, t, alloc.device)
+
+
+def outside(ids: torch.Tensor, low: int, high: int) -> list[int] | None:
+    """None if every id of the 1-D ``ids`` lies in ``[low, high)`` (or there is none), else up
+    to 8 of those that do not. The pass is one ``aminmax`` and two scalar reads (a device sync
+    on CUDA), never a Python loop; only a failure looks at the values again, to name them."""
+    if ids.shape[0] == 0:
+        return None
+    lo, hi = torch.aminmax(ids)
+    if lo.item() >= low and hi.item() < high:
+        return None
+    return ids[(ids < low) | (ids >= high)][:8].tolist()
+
+
+def check_free_slots(alloc: AllocatorView, name: str, slots: torch.Tensor) -> None:
+    """Every slot of ``slots`` lies in pages 1..num_pages: page 0 is the padding
+    sink, never handed out, so never freed. In every mode."""
+    p = alloc.page_size
+    bad = outside(slots, p, (alloc.num_pages + 1) * p)
+    if bad is not None:
+        last = (alloc.num_pages + 1) * p - 1
+        pad = "slot 0 is" if p == 1 else f"page 0, slots 0..{p - 1}, is"
+        raise InvalidArgumentError(
+            f"{name} has values {bad} outside the valid range [{p}, {last + 1}): valid slots are "
+            f"{p}..{last} ({pad} the padding sink); nothing was changed"
+        )
+
+
+def check_free_pages(alloc: AllocatorView, name: str, pages: torch.Tensor) -> None:
+    """Every page id of ``pages`` lies in 1..num_pages (page 0 is padding)."""
+    bad = outside(pages, 1, alloc.num_pages + 1)
+    if bad is not None:
+        raise InvalidArgumentError(
+            f"{name} has values {bad} outside the valid range [1, {alloc.num_pages + 1}): valid "
+            f"pages are 1..{alloc.num_pages} (page 0 is the padding sink); nothing was changed"
+        )
 
 
 def _same_length(bs: int, **tensors: torch.Tensor) -> None:

@@ -9,9 +9,11 @@ needs. The owners are request rows (their own state and tracking slots) and the 
 (snapshots it takes directly); the allocator never hands one slot to two of them.
 
 Bookkeeping only, as the token allocator: the free ids live in a ``SlotQueue`` (first freed,
-first reused; ``alloc`` returns a view nothing writes again). Debug mode
-(``TIERED_KV_DEBUG``) reads the values of every freed slot and refuses a double free, a slot
-out of range or the padding slot with OwnershipError before anything changes.
+first reused; ``alloc`` returns a view nothing writes again). Every mode refuses a freed slot
+out of range or the padding slot (one ``aminmax`` over the slots: a slot outside the range
+would enter the free list, be handed out and turn a later free into a double free); debug mode
+(``TIERED_KV_DEBUG``) also reads the slots against each other and the free list and refuses a
+repeat or a double free. Each raises OwnershipError before anything changes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from tiered_kv import platform
 from tiered_kv._checks import check_index_tensor, check_positive_int
 from tiered_kv.device.allocator.free_list import SlotQueue
+from tiered_kv.device.allocator.inputs import outside
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
 
 
@@ -114,13 +117,15 @@ class MambaSlotAllocator:
             self.free_list.put(rest)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` (1-D int32/int64 on ``device``), each listed once. In debug mode a
-        slot outside ``1..size``, repeated, or already free raises OwnershipError first."""
+        """Return ``slots`` (1-D int32/int64 on ``device``), each listed once. A slot outside
+        ``1..size`` (padding slot 0 included) raises OwnershipError first in every mode; in
+        debug mode so does a slot repeated or already free."""
         idx = check_index_tensor("slots", slots, self.device)
         if not idx.shape[0]:
             return
+        self._check_range(idx, 1, self.size, "slots")
         if self.debug_mode:
-            self._check_free(idx, 1, self.size, self.get_all_free_slots(), "slots")
+            self._check_owned(idx, self.get_all_free_slots(), "slots")
         self.free_list.put(idx)
 
     # -- speculative draft slots ----------------------------------------------------------
@@ -129,25 +134,32 @@ class MambaSlotAllocator:
         return self.spec_free_list.take(_need(need_size))
 
     def free_spec(self, slots: torch.Tensor) -> None:
-        """Return draft slots; debug mode checks them as ``free`` checks state slots."""
+        """Return draft slots, checked as ``free`` checks state slots (the range always, the
+        rest in debug mode)."""
         idx = check_index_tensor("slots", slots, self.device)
         if not idx.shape[0]:
             return
         if not self.spec_size:
             raise OwnershipError("this allocator has no draft slots (spec_size=0); none to free")
+        self._check_range(idx, self.size + 1, self.size + self.spec_size, "draft slots")
         if self.debug_mode:
-            lo, hi = self.size + 1, self.size + self.spec_size
-            self._check_free(idx, lo, hi, self.spec_free_list.live, "draft slots")
+            self._check_owned(idx, self.spec_free_list.live, "draft slots")
         self.spec_free_list.put(idx)
 
     @staticmethod
-    def _check_free(idx: torch.Tensor, lo: int, hi: int, free_now: torch.Tensor, what: str):
-        bad = idx[(idx < lo) | (idx > hi)]
-        if bad.numel():
-            pad = " (slot 0 is padding: never handed out, never freed)" if (bad == 0).any() else ""
+    def _check_range(idx: torch.Tensor, lo: int, hi: int, what: str) -> None:
+        """Every slot in ``lo..hi`` (inclusive), in every mode."""
+        bad = outside(idx, lo, hi + 1)
+        if bad is not None:
+            pad = " (slot 0 is padding: never handed out, never freed)" if 0 in bad else ""
             raise OwnershipError(
-                f"{what} {bad[:8].tolist()} cannot be freed; valid {what} are {lo}..{hi}{pad}"
+                f"{what} {bad} cannot be freed; valid {what} are {lo}..{hi}{pad}; nothing was "
+                "changed"
             )
+
+    @staticmethod
+    def _check_owned(idx: torch.Tensor, free_now: torch.Tensor, what: str) -> None:
+        """Debug mode: no slot listed twice or already free."""
         uniq = torch.unique(idx)
         if uniq.numel() != idx.numel():
             raise OwnershipError(f"{what} {sorted(idx.tolist())[:16]} repeat; each frees once")

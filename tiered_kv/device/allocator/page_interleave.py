@@ -23,7 +23,12 @@ import torch
 from tiered_kv import platform
 from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator.capacity import CapacityHooks
-from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
+from tiered_kv.device.allocator.inputs import (
+    check_decode_args,
+    check_extend_args,
+    check_index,
+    outside,
+)
 from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
 
@@ -216,10 +221,21 @@ class PageInterleavePoolAllocator(CapacityHooks):
 
     # -- freeing ----------------------------------------------------------------------------
     def free(self, free_index: torch.Tensor) -> None:
-        """Return the pages holding ``free_index`` to their classes (deferred in a group)."""
+        """Return the pages holding ``free_index`` to their classes (deferred in a group). A
+        slot outside logical pages N..num_pages - 1 (pages 0..N-1 are the ranks' padding) is
+        refused in every mode, inside a group too (InvalidArgumentError), changing nothing."""
         check_index("free_index", free_index, self)
         if free_index.numel() == 0:
             return
+        p, n = self.page_size, self.shard_size
+        bad = outside(free_index, n * p, self.num_pages * p)
+        if bad is not None:
+            raise InvalidArgumentError(
+                f"free_index has values {bad} outside the valid range [{n * p}, "
+                f"{self.num_pages * p}): valid slots are {n * p}..{self.num_pages * p - 1} "
+                f"(logical pages 0..{n - 1}, slots 0..{n * p - 1}, are the ranks' padding "
+                "pages); nothing was changed"
+            )
         if self._group is not None:
             self._group.append(free_index.clone())
             return

@@ -28,10 +28,14 @@ from typing import NamedTuple
 import torch
 
 from tiered_kv import platform
-from tiered_kv.device.allocator import debug
 from tiered_kv.device.allocator.base import AllocatorState
 from tiered_kv.device.allocator.capacity import CapacityHooks
-from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
+from tiered_kv.device.allocator.inputs import (
+    check_decode_args,
+    check_extend_args,
+    check_free_slots,
+    check_index,
+)
 from tiered_kv.device.allocator.paged import num_decode_pages, num_new_pages
 from tiered_kv.device.allocator.peer_table import new_peer_table, release_peers, sub_allocator
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
@@ -290,22 +294,35 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
         return swa_last
 
     # -- freeing ------------------------------------------------------------------------------
+    # Every free checks the full slots' range first, in every mode: the table is indexed with
+    # them, and -1 would name its sentinel (a later last_loc of -1 would then read 0).
+    def _check_free(self, free_index: torch.Tensor) -> bool:
+        """Shape and range of full slots to free; False when there are none."""
+        full = self.full_attn_allocator
+        check_index("free_index", free_index, full)
+        if free_index.shape[0] == 0:
+            return False
+        check_free_slots(full, "free_index", free_index)
+        return True
+
     def free(self, free_index: torch.Tensor) -> None:
-        """Release full slots and their window peers (peers already freed are skipped)."""
-        check_index("free_index", free_index, self.full_attn_allocator)
-        if free_index.numel() == 0:
+        """Release full slots and their window peers (peers already freed are skipped). A slot
+        outside the full pool is refused in every mode before either side changes."""
+        if not self._check_free(free_index):
             return
-        self.free_swa(free_index)
-        self.free_full(free_index)
+        self._free_swa(free_index)
+        self._free_full(free_index)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         """Give back the window peers of full slots ``free_index`` (whole pages at page size
         > 1) and clear their table entries; the full slots stay. A no-op for the ring."""
-        if self._ring or free_index.numel() == 0:
+        if self._ring or not self._check_free(free_index):
             return
-        check_index("free_index", free_index, self.full_attn_allocator)
-        if self.debug_mode:
-            debug.check_slots(self.full_attn_allocator, "free_index", free_index)
+        self._free_swa(free_index)
+
+    def _free_swa(self, free_index: torch.Tensor) -> None:
+        if self._ring:
+            return
         if self.page_size == 1:
             entries = free_index.to(torch.int64)
         else:
@@ -316,9 +333,10 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
 
     def free_full(self, free_index: torch.Tensor) -> None:
         """Release full slots whose window peers are already gone (``free_swa`` or ring)."""
-        check_index("free_index", free_index, self.full_attn_allocator)
-        if free_index.numel() == 0:
-            return
+        if self._check_free(free_index):
+            self._free_full(free_index)
+
+    def _free_full(self, free_index: torch.Tensor) -> None:
         if self.debug_mode and not self._ring:
             live = self.full_to_swa_index_mapping[free_index.to(torch.int64)] > 0
             if bool(live.any()):
@@ -326,14 +344,15 @@ class SWATokenToKVPoolAllocator(CapacityHooks):
                     f"full slots {free_index[live].tolist()[:8]} still have window peers; "
                     "free() releases both"
                 )
-        self.full_attn_allocator.free(free_index)
+        self.full_attn_allocator._free_checked(free_index)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-        """``free`` for a page-aligned segment (see the base allocator's ``free_segment``)."""
-        if free_index.numel() == 0:
-            return
-        self.free_swa(free_index)
+        """``free`` for a page-aligned segment (see the base allocator's ``free_segment``). The
+        full side goes first: it checks everything (start, shape, range, the layout in debug
+        mode) before it changes, and it never reads the table the window release clears."""
         self.full_attn_allocator.free_segment(free_index, start_pos=start_pos)
+        if free_index.shape[0]:
+            self._free_swa(free_index)
 
     def free_group_begin(self) -> None:
         for a in (self.full_attn_allocator, self.swa_attn_allocator):

@@ -23,10 +23,15 @@ from collections.abc import Callable
 import torch
 
 from tiered_kv import platform
-from tiered_kv._checks import check_positive_int, check_range
+from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.free_list import SlotQueue
-from tiered_kv.device.allocator.inputs import check_decode_args, check_extend_args, check_index
+from tiered_kv.device.allocator.inputs import (
+    check_decode_args,
+    check_extend_args,
+    check_free_slots,
+    check_index,
+)
 from tiered_kv.device.allocator.paged import (
     PagedTokenToKVPoolAllocator,
     num_decode_pages,
@@ -165,8 +170,9 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
         return self._translate(side, indices)
 
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
-        """Every id in virtual pages 1..N (page 0 is padding)."""
-        check_range(name, ids, self.page_size, (self.num_pages + 1) * self.page_size)
+        """Every id of ``ids`` in virtual pages 1..N (page 0 is padding), in every
+        mode: one ``aminmax``, as every allocator's free checks its range."""
+        check_free_slots(self._virtual, name, ids)
 
     def host_part_route(self, decl) -> tuple[SideView, Callable[[torch.Tensor], torch.Tensor]]:
         """For a host pool group: (the sub-pool of ``decl`` as an allocator, how a job's virtual
