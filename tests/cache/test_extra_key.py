@@ -131,3 +131,38 @@ def test_begin_many_refuses_a_key_list_of_another_length(make_cache, gen):
     with pytest.raises(InvalidArgumentError, match="2 prompts and 3 extra keys"):
         cache.begin_many([prompt, prompt], extra_keys=[None, None, None])
     assert cache.free_sizes() == cache._initial
+
+
+def test_hybrid_state_snapshots_are_kept_per_identity(tmp_path):
+    """A hybrid model's state snapshot is named by its page's digest, so it is another
+    identity's only under that identity: the same prompt under another extra key neither hits
+    the pages nor restores the state."""
+    from tiered_kv.config import TieredKVConfig
+
+    cache = TieredKVCache(
+        TieredKVConfig.flat(
+            model="hybrid_linear", num_layers=4, full_layer_every=2, head_num=2, head_dim=8,
+            page_size=4, device_tokens=64, host_tokens=128, max_requests=4,
+        )
+    )  # fmt: skip
+    try:
+        prompt = list(range(100, 123))
+
+        def serve(key) -> int:
+            req = cache.begin(prompt, extra_key=key)
+            got = req.prefix_len
+            slots = cache.extend(req, prompt[req.prefix_len :])
+            for layer in (1, 3):
+                kv = torch.randn(len(slots), 2, 8)
+                cache.write_kv(layer, slots, kv, -kv)
+            for pos in range(req.prefix_len, len(prompt)):
+                if (pos + 1) % 4 == 0:
+                    cache.track_state(req, pos + 1)
+            cache.finish(req)
+            return got
+
+        assert serve("lora=a@1") == 0
+        assert serve("lora=b@1") == 0 and serve(None) == 0  # neither pages nor state shared
+        assert serve("lora=a@1") == 20 and serve(None) == 20
+    finally:
+        cache.close()

@@ -92,7 +92,8 @@ class MooncakeFaults(Faults):
                 damaged += bytes([0x5A]) * (1 + int(pick * 40))
             else:  # the same bytes, sealed for a namespace the store does not serve
                 payload = bytes(damaged[value_format.HEADER_BYTES :])
-                damaged = bytearray(value_format.pack(self.other, payload, 0) + payload)
+                head = value_format.pack(self.other, payload, 0, key=self.other + bytes(32))
+                damaged = bytearray(head + payload)
             assert self.raw.upsert(name, bytes(damaged)) == 0
             self.damaged_values[name] = bytes(damaged)
 

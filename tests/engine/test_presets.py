@@ -59,7 +59,8 @@ def test_each_preset_builds_a_cache_when_scaled_down(tmp_path, name):
     assert p.model == P.preset(name).model and p.name.startswith(name)
     cfg = TieredKVConfig.flat(
         **P.geometry(p), page_size=16, device_tokens=256, host_tokens=512, max_requests=2,
-        max_context_len=512, storage_bytes=8 << 20, storage_path=str(tmp_path), model_id=name,
+        max_context_len=512, storage_bytes=8 << 20, storage_path=str(tmp_path),
+        model_id=f"{name}@test",
     )  # fmt: skip
     cache = TieredKVCache(cfg)
     try:

@@ -61,7 +61,9 @@ def name(key: bytes) -> str:
     return "tkv:" + key.hex()
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "torn", "oversized", "other_namespace"])
+@pytest.mark.parametrize(
+    "where", ["payload", "header", "torn", "oversized", "other_namespace", "other_key"]
+)
 def test_a_damaged_value_is_a_counted_miss_and_is_removed(server, host, ns, keys, where):
     store = MooncakeStorage(ns, host.page_nbytes, **server.options)
     assert store.batch_set(keys[:3], host, [0, 1, 2]) == [True] * 3
@@ -76,10 +78,14 @@ def test_a_damaged_value_is_a_counted_miss_and_is_removed(server, host, ns, keys
         value = value[: len(value) // 2]
     elif where == "oversized":
         value += b"\x5a" * 13
+    elif where == "other_key":  # another key's intact value, answered for this key
+        value = bytearray(raw.get(name(keys[2])))
     else:  # a record written for another namespace under this key
         other = StorageNamespace.for_host_pool(host, tenant="someone-else", model="mooncake-test")
         payload = bytes(value[value_format.HEADER_BYTES :])
-        value = bytearray(value_format.pack(other.fingerprint, payload, 0) + payload)
+        key = other.fingerprint + keys[1][16:]
+        head = value_format.pack(other.fingerprint, payload, 0, key=key)
+        value = bytearray(head + payload)
     assert raw.upsert(name(keys[1]), bytes(value)) == 0  # a put would keep the old value
     assert store.batch_get(keys[:3], host, [8, 9, 10]) == [True, False, True]
     assert np.array_equal(page(host, 8), page(host, 0))

@@ -48,7 +48,9 @@ def page(host, i) -> torch.Tensor:
     return host.get_page_bytes(i).clone()
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "torn", "no_header", "other_namespace"])
+@pytest.mark.parametrize(
+    "where", ["payload", "header", "torn", "no_header", "other_namespace", "other_key"]
+)
 def test_a_damaged_value_is_a_counted_miss_and_is_deleted(server, host, ns, keys, where):
     store = RedisStorage(ns, host.page_nbytes, url=server.url)
     assert store.batch_set(keys[:3], host, [0, 1, 2]) == [True] * 3
@@ -63,9 +65,12 @@ def test_a_damaged_value_is_a_counted_miss_and_is_deleted(server, host, ns, keys
         value = value[: len(value) // 2]
     elif where == "no_header":  # the server evicted the header alone
         header = None
+    elif where == "other_key":  # another key's intact value and header, under this key
+        value, header = r.get(b"tkv:v:" + keys[2]), r.get(b"tkv:h:" + keys[2])
     else:  # a record written for another namespace under this key
         other = StorageNamespace.for_host_pool(host, tenant="someone-else", model="redis-test")
-        header = bytearray(value_format.pack(other.fingerprint, bytes(value), 0))
+        head = value_format.pack(other.fingerprint, bytes(value), 0, key=keys[1])
+        header = bytearray(head)
     r.set(name, bytes(value))
     if header is None:
         r.delete(hname)

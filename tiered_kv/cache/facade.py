@@ -17,7 +17,6 @@ compute, so the model has a position to produce logits from.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -26,25 +25,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tiered_kv.cache import lifecycle
 from tiered_kv.cache.build import build_cache_parts
 from tiered_kv.cache.prom import cache_registry, register_cache
-from tiered_kv.cache.request import Request, check_rows_free, prompt_ids, token_ids
+from tiered_kv.cache.request import (
+    Request,
+    batch_identities,
+    check_rows_free,
+    prompt_ids,
+    token_ids,
+)
+from tiered_kv.cache.serialized import serialized
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.device.write_loc import KVWriteLoc
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import extra_key_prior
-
-
-def _serialized(method):
-    """One call at a time per cache: threads sharing a cache take turns (an RLock), so its
-    tree, pools and counters never see two calls interleave. Layer waits follow the request
-    begun last: a thread whose forward reads a loaded prefix calls ``prepare_forward`` first."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return call
 
 
 class TieredKVCache:
@@ -73,14 +66,13 @@ class TieredKVCache:
         register_cache(self, transfers)  # its jobs to the histograms, its counters when scraped
 
     # -- request lifecycle --------------------------------------------------------------------
-    @_serialized
+    @serialized
     def begin(self, tokens, extra_key: str | bytes | None = None) -> Request:
         """Start a request for prompt ``tokens``: find its cached prefix on every tier, bring
         storage hits to host (per the prefetch policy) and host hits to the device (layer by
-        layer), lock that prefix and give the request a row. ``extra_key``: the request's own
-        identity beyond its tokens (LoRA adapter id and revision, cache salt, multimodal
-        content hashes at full width; a str or bytes): only pages and state written under the
-        same extra key are ever matched for it, on every tier and in every store key."""
+        layer), lock that prefix and give the request a row. ``extra_key`` (str or bytes): its
+        identity beyond its tokens (LoRA adapter and revision, cache salt, multimodal hashes):
+        only pages and state written under the same extra key are matched for it, anywhere."""
         self._check_open()
         prior = extra_key_prior(extra_key)
         req = self._begin_one(self._prompt(tokens), extra_key, prior)
@@ -92,24 +84,15 @@ class TieredKVCache:
             self.device_host.layer_done_counter.set_consumer(req.load_slot)
         return req
 
-    @_serialized
+    @serialized
     def begin_many(self, prompts, extra_keys=None) -> list[Request]:
         """``begin`` for a batch whose forward runs together: the host hits of all of them
         are loaded back as one layer-wise job (one plan, one wait per layer for the whole
-        batch), and the layer waits follow that batch. ``extra_keys``: None, or one extra key
-        (or None) per prompt (see ``begin``). Every prompt, extra key and the free request
-        rows are checked before anything changes."""
+        batch), and the layer waits follow that batch. ``extra_keys``: None, or one per prompt
+        (see ``begin``). Every prompt, key and free request row is checked first."""
         self._check_open()
         prompts = [self._prompt(t) for t in prompts]
-        if extra_keys is None:
-            extra_keys = [None] * len(prompts)
-        extra_keys = list(extra_keys)
-        if len(extra_keys) != len(prompts):
-            raise InvalidArgumentError(
-                f"begin_many got {len(prompts)} prompts and {len(extra_keys)} extra keys; pass "
-                "one extra key (or None) per prompt, or extra_keys=None"
-            )
-        priors = [extra_key_prior(k) for k in extra_keys]
+        extra_keys, priors = batch_identities(len(prompts), extra_keys)
         if not prompts:
             return []
         self._check_rows(len(prompts))
@@ -148,9 +131,7 @@ class TieredKVCache:
     def _check_rows(self, n: int) -> None:
         check_rows_free(n, self.req_to_token.available_size(), self.config.device.max_requests)
 
-    def _begin_one(
-        self, tokens: list[int], extra_key: str | bytes | None = None, prior: bytes = b""
-    ) -> Request:
+    def _begin_one(self, tokens: list[int], extra_key=None, prior: bytes = b"") -> Request:
         kv = self.states.alloc_row() if self.states is not None else RequestKV()
         if kv is None or (self.states is None and self.req_to_token.alloc([kv]) is None):
             raise StateError(
@@ -183,7 +164,7 @@ class TieredKVCache:
         kv.kv_allocated_len = prefix
         return req
 
-    @_serialized
+    @serialized
     def prepare_forward(self, req: Request | list[Request]) -> None:
         """Make the device pool's per-layer waits follow the host -> device loads of ``req``
         (one request, or the list whose forward runs together). ``begin`` and ``begin_many``
@@ -225,7 +206,7 @@ class TieredKVCache:
         pre, seq = torch.tensor([length]), torch.tensor([length + n])
         return a.alloc_extend(pre, pre, seq, seq, last, n)
 
-    @_serialized
+    @serialized
     def extend(self, req: Request, tokens) -> torch.Tensor:
         """Device slots for ``tokens`` appended to ``req`` (evicting unlocked device pages if
         needed). Raises StateError when the device cannot hold them."""
@@ -274,12 +255,12 @@ class TieredKVCache:
         req.kv.kv_allocated_len = len(req.tokens)
         return out
 
-    @_serialized
+    @serialized
     def decode(self, req: Request, token: int) -> torch.Tensor:
         """The slot for one more token of ``req``."""
         return self.extend(req, [token])
 
-    @_serialized
+    @serialized
     def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """The model's KV for ``slots`` of global layer ``layer_id``."""
         # A sliding-window pool's window layers write at the same tokens' window slots.
@@ -287,7 +268,7 @@ class TieredKVCache:
         swa = to_window(slots.to(torch.int64)) if to_window is not None else None
         self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots, swa_loc=swa), k, v)
 
-    @_serialized
+    @serialized
     def write_index_k(self, layer_id: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
         """The sparse indexer's keys for ``slots`` of layer ``layer_id`` (DSA pools only)."""
         write = getattr(self.device_pool, "set_index_k_buffer", None)
@@ -298,7 +279,7 @@ class TieredKVCache:
             )
         write(layer_id, KVWriteLoc(slots), index_k)
 
-    @_serialized
+    @serialized
     def finish(self, req: Request) -> None:
         """Insert ``req``'s whole pages into the tree and release the request: its duplicate
         and partial-page slots are freed, its lock and row returned. A request whose prefix
@@ -306,7 +287,7 @@ class TieredKVCache:
         self._check_live(req)
         self._finish_one(req)
 
-    @_serialized
+    @serialized
     def finish_many(self, reqs) -> None:
         """``finish`` for requests done together: their new pages' write-through copies to
         host go as one job (and, once landed, their backups as one storage job). Every
@@ -333,7 +314,7 @@ class TieredKVCache:
         self.req_to_token.free(req.row)
         req.finished = True
 
-    @_serialized
+    @serialized
     def track_state(self, req: Request, position: int) -> None:
         """Hybrid models: the forward of ``req`` has just absorbed token ``position - 1`` in
         every recurrent layer, ``position`` a page boundary; the cache keeps that state."""
@@ -342,7 +323,7 @@ class TieredKVCache:
             raise InvalidArgumentError("track_state needs a hybrid_linear model's cache")
         self.states.track(req, position, self.manager)
 
-    @_serialized
+    @serialized
     def abort(self, req: Request) -> None:
         """Release ``req`` without inserting anything it computed (a failed forward, a
         cancelled request): its own slots are freed, its lock and row returned."""
@@ -364,18 +345,18 @@ class TieredKVCache:
             raise StateError("this TieredKVCache is closed")
 
     # -- housekeeping -------------------------------------------------------------------------
-    @_serialized
+    @serialized
     def poll(self) -> None:
         """Acknowledge finished copies (never blocks); a serving loop calls it every step."""
         self.manager.poll()
 
-    @_serialized
+    @serialized
     def drain(self, timeout_s: float = 600.0) -> None:
         """Wait for every copy and backup in flight and acknowledge them. Raises StateError
         naming what is still in flight if that takes longer than ``timeout_s``."""
         self.manager.drain(timeout_s)
 
-    @_serialized
+    @serialized
     def free_sizes(self) -> dict[str, int]:
         out = {"device": self.allocator.available_size()}
         out["rows"] = self.req_to_token.available_size()
@@ -383,7 +364,7 @@ class TieredKVCache:
             out["host"] = self.host_pool.available_size()
         return out
 
-    @_serialized
+    @serialized
     def clear_tree(self) -> None:
         """Evict every unlocked node from every tier (storage keeps its pages)."""
         self.drain()
@@ -394,16 +375,16 @@ class TieredKVCache:
         if self.states is not None:
             self.states.evict_all()  # snapshots of prefixes no longer cached go down too
 
-    @_serialized
+    @serialized
     def stats(self) -> dict:
         return self.metrics.render(self.storage, self.tree)
 
-    @_serialized
+    @serialized
     def prometheus(self) -> str:
         """The Prometheus text exposition of ``self.registry`` (see ``cache.prom``)."""
         return generate_latest(self.registry).decode()
 
-    @_serialized
+    @serialized
     def close(self) -> None:
         """Wait for the copies in flight, stop the background threads, close the store. Safe to
         call twice; requests cannot begin, extend or finish afterwards."""

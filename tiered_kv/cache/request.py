@@ -12,6 +12,7 @@ from tiered_kv.cache.lifecycle import PrefixGrant
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.device.req_to_token_pool import RequestKV
 from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.storage.keys import extra_key_prior
 from tiered_kv.tree.node import TreeNode
 
 
@@ -68,6 +69,18 @@ def prompt_ids(tokens, max_context_len: int) -> list[int]:
     if not tokens or len(tokens) > max_context_len:
         raise InvalidArgumentError(f"prompt of {len(tokens)} tokens; need 1..{max_context_len}")
     return tokens
+
+
+def batch_identities(n: int, extra_keys) -> tuple[list, list[bytes]]:
+    """The extra keys of a batch of ``n`` prompts (None: none for any) and their chain priors,
+    checked before anything changes: one key (or None) per prompt."""
+    keys = [None] * n if extra_keys is None else list(extra_keys)
+    if len(keys) != n:
+        raise InvalidArgumentError(
+            f"begin_many got {n} prompts and {len(keys)} extra keys; pass one extra key (or "
+            "None) per prompt, or extra_keys=None"
+        )
+    return keys, [extra_key_prior(k) for k in keys]
 
 
 def check_rows_free(n: int, free: int, max_requests: int) -> None:

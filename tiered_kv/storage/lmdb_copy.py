@@ -21,15 +21,17 @@ def deliver(
     source: PageSource,
     page: int,
     dst: np.ndarray | None,
+    key: bytes,
 ) -> bool:
     """Copy a stored page into host page ``page`` (one copy, straight from LMDB's map) and
     verify it. Where the host page is a writable view (``dst``), the copy goes in cache-sized
     chunks and each chunk is hashed right after it lands, from cache, instead of in a second
-    pass over memory. On failure the host page may hold partial bytes (reported a miss)."""
-    if header is None or header.fingerprint != fingerprint or header.length != len(payload):
+    pass over memory. On failure the host page may hold partial bytes (reported a miss). A
+    record written under another key than ``key`` fails too."""
+    if not value_format.describes(header, fingerprint, key, len(payload)):
         return False
     if dst is None:
-        if not value_format.verify(header, fingerprint, payload):
+        if not value_format.verify(header, fingerprint, payload, key=key):
             return False
         source.set_page_bytes(page, payload)
         return True

@@ -234,12 +234,12 @@ class LMDBStorage(BookedStorage):
                 dst = None
                 if zero_copy:
                     dst = rows[page] if rows is not None else source.get_page_bytes(page).numpy()
-                jobs.append((i, header, payload, page, dst))
+                jobs.append((i, header, payload, page, dst, key))
             # Copy and verify pages on the I/O threads while this transaction keeps the map's
             # pages alive; a source that is not a writable view takes its pages one at a time.
             threads = self._io_threads if zero_copy else 1
             delivered = split_map(
-                lambda job: deliver(fp, job[1], job[2], source, job[3], job[4]),
+                lambda job: deliver(fp, job[1], job[2], source, job[3], job[4], job[5]),
                 jobs,
                 threads,
             )
@@ -304,8 +304,8 @@ class LMDBStorage(BookedStorage):
                     txn,
                     key,
                     view,
-                    lambda tick, i=i, view=view: value_format.pack(
-                        fp, view, tick, sums.of(i, view)
+                    lambda tick, i=i, view=view, key=key: value_format.pack(
+                        fp, view, tick, sums.of(i, view), key=key
                     ),
                 )
                 done.append(True)

@@ -58,7 +58,7 @@ class MemoryStorage(PageStorage):
                     continue
                 header, payload = entry
                 if not value_format.verify(
-                    value_format.unpack(header), self.namespace.fingerprint, payload
+                    value_format.unpack(header), self.namespace.fingerprint, payload, key=k
                 ):
                     del self._pages[k]
                     self._stats.checksum_failures += 1
@@ -91,7 +91,9 @@ class MemoryStorage(PageStorage):
                         self._stats.evictions += 1
                 payload = bytes(source.get_page_bytes(page).numpy().tobytes())
                 self._tick += 1
-                header = value_format.pack(self.namespace.fingerprint, payload, self._tick)
+                header = value_format.pack(
+                    self.namespace.fingerprint, payload, self._tick, key=bytes(k)
+                )
                 self._pages[k] = (header, payload)
                 out.append(True)
         return out

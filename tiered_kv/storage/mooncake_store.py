@@ -241,7 +241,8 @@ class MooncakeStorage(PageStorage):
                     out.append(False)
                     continue
                 header = value_format.unpack(heads[j]) if code == _HEAD + n else None
-                if not value_format.verify(header, fp, dst[p]):  # torn, oversized or damaged
+                # torn, oversized, damaged, or another key's value
+                if not value_format.verify(header, fp, dst[p], key=key):
                     bad.append(key)
                     out.append(False)
                     continue
@@ -297,7 +298,8 @@ class MooncakeStorage(PageStorage):
                 at = pages[i] if rows is not None else j
                 if rows is None:
                     src[j] = source.get_page_bytes(pages[i]).numpy().reshape(-1)
-                heads[j] = np.frombuffer(value_format.pack(fp, src[at], 0), dtype=np.uint8)
+                head = value_format.pack(fp, src[at], 0, key=keys[i])
+                heads[j] = np.frombuffer(head, dtype=np.uint8)
                 ptrs.append([h0 + j * _HEAD, s0 + at * n])
             names = [_name(keys[i]) for i in chunk]
             codes = self._call(

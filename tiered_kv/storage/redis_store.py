@@ -136,7 +136,9 @@ class RedisStorage(PageStorage):
                 out.append(False)
                 continue
             header = value_format.unpack(raw) if raw is not None else None
-            if len(payload) != self.page_nbytes or not value_format.verify(header, fp, payload):
+            if len(payload) != self.page_nbytes or not value_format.verify(
+                header, fp, payload, key=k
+            ):
                 bad.append(k)
                 out.append(False)
                 continue
@@ -189,7 +191,7 @@ class RedisStorage(PageStorage):
             payload = memoryview(np.ascontiguousarray(source.get_page_bytes(page).numpy())).cast(
                 "B"
             )
-            pipe.set(_HEADER + k, value_format.pack(fp, payload, 0), nx=True)
+            pipe.set(_HEADER + k, value_format.pack(fp, payload, 0, key=k), nx=True)
             pipe.set(_VALUE + k, payload, nx=True)
         self._index_set(keys=[self._index, _TICK, *names], args=[self._budget_pages], client=pipe)
         try:

@@ -19,6 +19,7 @@ import errno
 import lmdb
 import numpy as np
 
+from tiered_kv.storage import value_format
 from tiered_kv.storage.contract import PageSource
 from tiered_kv.storage.keys import FINGERPRINT_BYTES
 from tiered_kv.storage.slab_books import Entry, SlabBooks
@@ -33,18 +34,14 @@ def deliver(
     page: int,
     rows: np.ndarray | None,
     zero_copy: bool,
+    key: bytes,
 ) -> tuple[bool | None, str | None]:
     """(served, error): True when host page ``page`` now holds the stored bytes; False when
     the record or the bytes failed verification (the host page may hold partial bytes); None
     with the errno's name when the file could not be read."""
     header, slot = entry.header, entry.slot
-    if (
-        header is None
-        or slot is None
-        or header.fingerprint != fingerprint
-        or header.length != slab.page_nbytes
-    ):
-        return False, None
+    if slot is None or not value_format.describes(header, fingerprint, key, slab.page_nbytes):
+        return False, None  # unreadable, or another key's record
     if zero_copy:
         dst = rows[page] if rows is not None else source.get_page_bytes(page).numpy()
     else:

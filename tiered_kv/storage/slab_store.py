@@ -145,7 +145,9 @@ class SlabStorage(BookedStorage):
             jobs = [(i, e) for i, e in enumerate(entries) if e is not None]
             jobs, threads = read_plan(slab, jobs, self._io_threads if zero_copy else 1)
             results = shared_map(
-                lambda job: deliver(slab, fp, job[1], source, pages[job[0]], rows, zero_copy),
+                lambda job: deliver(
+                    slab, fp, job[1], source, pages[job[0]], rows, zero_copy, keys[job[0]]
+                ),
                 jobs,
                 threads,
             )
@@ -251,8 +253,8 @@ class SlabStorage(BookedStorage):
         for (i, slot), csum in zip(pairs, sums, strict=True):
             view = page_view(pages[i])
 
-            def header_of(tick: int, view=view, csum=csum) -> bytes:
-                return value_format.pack(fp, view, tick, csum)
+            def header_of(tick: int, view=view, csum=csum, key=keys[i]) -> bytes:
+                return value_format.pack(fp, view, tick, csum, key=key)
 
             self._books.insert(txn, keys[i], header_of, slot)
         self._free(txn, freed)

@@ -10,55 +10,26 @@ Residency rules kept at all times (``check_integrity`` verifies them):
   match is "device part, then host part";
 - ``lock_ref`` > 0 keeps a node's device slots, ``host_ref`` > 0 its host slots; a node with a
   copy in flight (``pending``) is never evicted from the tier the copy touches.
-- requests with a per-request identity (``extra_key``: a LoRA adapter, a cache salt,
-  multimodal hashes) match and insert below a root of their own, named by the identity's
-  chain prior (``storage.keys.extra_key_prior``, which is also that root's only digest, so its
-  pages' digests and storage keys differ too): no page is ever shared across identities. A
-  non-default root that loses its last child is dropped.
+- each request identity (``extra_key``) matches and inserts below a root of its own
+  (``tree.roots``): no page is ever shared across identities.
 The residency sizes (device tokens, host tokens, evictable device tokens) are kept as counters,
 updated by every method that changes a node, never by walking the tree.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import JobId, PendingKind
-from tiered_kv.storage.keys import DIGEST_BYTES, page_digests
+from tiered_kv.storage.keys import page_digests
 from tiered_kv.tree.node import TreeNode, common_pages, first_page, path_to_root, walk
 from tiered_kv.tree.policies import EvictionPolicy, make_policy
+from tiered_kv.tree.results import Released, TreeMatch
+from tiered_kv.tree.roots import IdentityRoots
 from tiered_kv.tree.victim_queue import VictimQueue
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class TreeMatch(NamedTuple):
-    """Where the longest cached page-aligned prefix of a key lives (a read; nothing changed).
-    ``steps`` are (node, tokens matched in it) from the root; only the last may be partial."""
-
-    key: tuple  # the page-aligned key that was matched
-    steps: tuple[tuple[TreeNode, int], ...]
-    device_indices: torch.Tensor  # device slots of the device-resident prefix
-    device_len: int
-    host_len: int  # tokens after the device part, on the host
-    probe_digests: tuple  # chain digests of the pages after the match (to look up in storage)
-    root: TreeNode  # the root of the request's identity (a new one, unlinked, if none yet)
-    prior: bytes = b""  # that identity's chain prior (b"": no extra key)
-
-    @property
-    def length(self) -> int:
-        return self.device_len + self.host_len
-
-
-class Released(NamedTuple):
-    """Slots a tree change took from its nodes, for the manager to free."""
-
-    device: list[torch.Tensor]
-    host: list[torch.Tensor]
-    tokens: int  # tokens of the nodes that left the tree
 
 
 class TieredTree:
@@ -74,9 +45,8 @@ class TieredTree:
         self.digests = digests  # keep each page's storage chain digest
         self.device_policy: EvictionPolicy = make_policy(device_policy)
         self.host_policy: EvictionPolicy = make_policy(host_policy)
-        self.root = TreeNode()
-        self.root.lock_ref = 1  # the root is never evicted
-        self._roots: dict[bytes, TreeNode] = {b"": self.root}  # per request identity
+        self._roots = IdentityRoots()  # one per request identity (``tree.roots``)
+        self.root = self._roots.default  # the root of requests without an extra key
         self.device_tokens = 0
         self.host_tokens = 0
         self.evictable_device_tokens = 0  # on the device with lock_ref == 0
@@ -95,29 +65,12 @@ class TieredTree:
 
     def walk(self):
         """Every node below every root (depth first, parents before children)."""
-        for root in list(self._roots.values()):
-            yield from walk(root)
+        return self._roots.walk()
 
     @property
     def roots(self) -> dict[bytes, TreeNode]:
         """The root of each request identity in the tree, by chain prior (b"": the default)."""
-        return dict(self._roots)
-
-    def _root(self, prior: bytes, create: bool) -> TreeNode:
-        """The root of identity ``prior`` (a new one, registered only if ``create``)."""
-        root = self._roots.get(prior)
-        if root is None:
-            if not isinstance(prior, bytes) or len(prior) != DIGEST_BYTES:
-                raise InvalidArgumentError(
-                    f"prior={prior!r:.40} must be b'' or {DIGEST_BYTES} bytes (a request "
-                    "identity's chain prior, storage.keys.extra_key_prior)"
-                )
-            root = TreeNode()
-            root.lock_ref = 1
-            root.digests = [prior]  # its pages chain from the identity's prior
-            if create:
-                self._roots[prior] = root
-        return root
+        return self._roots.by_prior()
 
     def aligned(self, tokens) -> tuple:
         key = tuple(int(t) for t in tokens)
@@ -129,7 +82,7 @@ class TieredTree:
         (``extra_key_prior``; b"": none). Changes nothing. ``probe``: also the chain digests of
         the pages after it (when the tree keeps digests)."""
         key = self.aligned(tokens)
-        root = self._root(prior, create=False)
+        root = self._roots.get(prior, create=False)
         node, pos, chain = root, 0, prior
         steps, dev_parts = [], []
         dev_len = host_len = 0
@@ -162,7 +115,7 @@ class TieredTree:
         split first (the only change). The root stands for an empty part. Call it once per
         match: after a split, ``match.steps`` names the back half."""
         # The identity's root joins the tree here (a caller may add children below it).
-        last_dev = last = self._roots.setdefault(match.prior, match.root)
+        last_dev = last = self._roots.adopt(match.prior, match.root)
         for node, n in match.steps:
             if n < len(node):
                 node = self._split(node, n)
@@ -217,7 +170,7 @@ class TieredTree:
                 f"insert needs whole pages of page_size={self.page_size} and one slot per token; "
                 f"got {len(tokens)} tokens and {len(device_indices)} slots"
             )
-        node, pos, dup, new = self._root(prior, create=True), 0, 0, []
+        node, pos, dup, new = self._roots.get(prior, create=True), 0, 0, []
         while pos < len(key):
             child = node.children.get(first_page(key[pos:], self.page_size))
             if child is not None and child.stale:
@@ -324,12 +277,7 @@ class TieredTree:
         del parent.children[first_page(node.key, self.page_size)]
         self._mark(parent)  # may be a leaf now
         node.parent = None
-        if parent.parent is None and not parent.children and parent is not self.root:
-            # An identity's root with nothing below it goes: one salt per request must not
-            # grow the tree without bound (it comes back with the identity's next insert).
-            prior = parent.last_digest()
-            if self._roots.get(prior) is parent:
-                del self._roots[prior]
+        self._roots.drop_if_bare(parent)  # an identity's root with nothing below it goes
 
     def mark_stale(self, node: TreeNode) -> None:
         """``node``'s device copy came from a failed load (its host copy, the source, stays)."""
