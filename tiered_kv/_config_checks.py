@@ -34,3 +34,10 @@ def _seconds(obj: object, name: str) -> None:
     v = getattr(obj, name)
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) and v >= 0
     _need(ok, obj, name, "a number of seconds >= 0")
+
+
+def _finite(obj: object, name: str, *, positive: bool, unit: str) -> None:
+    v = getattr(obj, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > 0 if positive else v >= 0)
+    _need(ok, obj, name, f"a finite number {'> 0' if positive else '>= 0'} ({unit})")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tiered_kv._config_checks import _choice, _ints, _is_int, _need, _seconds
+from tiered_kv._config_checks import _choice, _finite, _ints, _is_int, _need, _seconds
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import (
     EvictionPolicyName,
@@ -199,9 +199,24 @@ class PolicyConfig:
     prefetch_timeout_base_s: float = 0.5
     prefetch_timeout_per_1k_s: float = 0.25
     prefetch_timeout_max_s: float = 5.0
+    # The load planner (``cache.load_planner``, needs a host tier): per request, load a cached
+    # prefix or compute it again, whichever its estimates say is faster. Its priors (what it
+    # assumes before observing a copy, or before the engine gives its compute cost):
+    load_planner: bool = False
+    planner_host_gbps: float = 25.0  # host -> device (PCIe 5.0 x16, layer-wise pinned copies)
+    planner_storage_gbps: float = 6.0  # storage -> host (one NVMe 4.0 x4 drive)
+    planner_host_op_s: float = 1e-5  # fixed seconds per copy op
+    planner_storage_op_s: float = 1e-4
+    planner_prefill_tokens_per_s: float = 30_000.0  # until ``set_compute_cost``
 
     def __post_init__(self) -> None:
         _ints(self, ("selective_hits",))
+        _need(isinstance(self.load_planner, bool), self, "load_planner", "True or False")
+        for n in ("planner_host_gbps", "planner_storage_gbps"):
+            _finite(self, n, positive=True, unit="GB/s")
+        for n in ("planner_host_op_s", "planner_storage_op_s"):
+            _finite(self, n, positive=False, unit="seconds")
+        _finite(self, "planner_prefill_tokens_per_s", positive=True, unit="tokens/s")
         _need(
             _is_int(self.prefetch_threshold) and self.prefetch_threshold >= 0,
             self,

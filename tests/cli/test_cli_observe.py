@@ -125,7 +125,7 @@ def test_run_serves_each_modes_metrics_and_closes_the_endpoint(
     caplog.set_level(logging.INFO)
     argv = [*RUN, "--store-dir", str(tmp_path), "--metrics-port", str(port)]
     assert main([*argv, "--log-level", "info", "--json", str(tmp_path / "r.json")]) == 0
-    assert set(seen) == {"tiered", "device_only", "recompute"}
+    assert set(seen) == {"tiered", "device_only", "recompute", "tiered_planner"}
     res = json.loads((tmp_path / "r.json").read_text())
     for mode, got in seen.items():
         assert got["tiered_kv_run_mode"] == {(("mode", mode),): 1.0}

@@ -3,7 +3,8 @@
 The device pool (MHA or MLA) and its paged allocator, the request rows, the host pool from the
 device pool's declaration (with the host section's own options), the store under its namespace
 in the configured ``storage_layout`` (with the storage section's own options), one
-transfer-stats object shared by both transfer workers, the tree and the manager. A failure part
+transfer-stats object shared by both transfer workers, the tree, the manager and (with
+``load_planner`` and a host tier) the load planner fed by those transfer stats. A failure part
 way closes what was built.
 """
 
@@ -17,6 +18,7 @@ import psutil
 import torch
 
 from tiered_kv.cache import build_state
+from tiered_kv.cache.load_planner import LoadPlanner, PlannerPriors
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.window import SlidingWindow
@@ -52,6 +54,7 @@ class CacheParts(NamedTuple):
     host_storage: HostStorageTransfer | None
     manager: CacheManager
     states: object = None  # a hybrid model's RecurrentState (cache.state_hits), else None
+    planner: LoadPlanner | None = None  # with ``load_planner`` and a host tier
 
 
 def device_pool_for(c: TieredKVConfig) -> KVCache | SWAKVPool:
@@ -232,6 +235,24 @@ def build_cache_parts(c: TieredKVConfig) -> CacheParts:
             with contextlib.suppress(Exception):
                 part.close()
         raise
+    planner = None
+    if p.load_planner and host_pool is not None:
+        ps, threshold = d.page_size, p.prefetch_threshold
+        planner = LoadPlanner(
+            ps, host_pool.page_nbytes // ps, planner_priors(c),
+            load_source=metrics.transfer.snapshot,
+            probe_tokens=max(1, -(-threshold // ps)) * ps,  # a shorter hit is never fetched
+        )  # fmt: skip
     return CacheParts(
-        pool, allocator, rows, host_pool, storage, device_host, host_storage, manager, states
-    )
+        pool, allocator, rows, host_pool, storage, device_host, host_storage, manager, states,
+        planner,
+    )  # fmt: skip
+
+
+def planner_priors(c: TieredKVConfig) -> PlannerPriors:
+    """The load planner's estimates before it has observed anything (the config's)."""
+    p = c.policies
+    return PlannerPriors(
+        p.planner_host_gbps * 1e9, p.planner_storage_gbps * 1e9, p.planner_host_op_s,
+        p.planner_storage_op_s, p.planner_prefill_tokens_per_s,
+    )  # fmt: skip

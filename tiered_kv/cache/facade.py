@@ -58,8 +58,8 @@ class TieredKVCache:
         self.host_storage = parts.host_storage
         self.manager = parts.manager
         self.states = parts.states  # a hybrid model's recurrent-state snapshots (or None)
-        self.tree = parts.manager.tree
-        self.metrics = parts.manager.metrics
+        self.tree, self.metrics = parts.manager.tree, parts.manager.metrics
+        self.load_planner = parts.planner  # load or recompute, per request (None: off, no host)
         self._closed = False
         self._lock = threading.RLock()
         self._initial = self.free_sizes()
@@ -145,6 +145,7 @@ class TieredKVCache:
                 prefetch_threshold=self.config.policies.prefetch_threshold,
                 prefetch_wait=self.config.policies.prefetch_wait_s,
                 prior=prior,
+                plan=None if self.load_planner is None else self.load_planner.plan,
             )
             if self.states is not None:  # the state at the prefix's end, or a shorter prefix
                 grant = self.states.settle(self.manager, grant, tokens[:-1], kv.mamba_pool_idx)

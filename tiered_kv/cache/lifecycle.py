@@ -1,11 +1,11 @@
 """The request lifecycle over the manager, written once: begin, finish, abort.
 
-``begin`` finds a request's cached prefix on every tier, brings a storage hit to host (waiting
-per the prefetch policy), loads the host part back to the device (one layer-wise job), and locks
-that prefix; ``finish`` inserts the request's whole pages, frees its duplicate and partial-page
-slots and unlocks; ``abort`` frees its own slots and unlocks without inserting. The facade wraps
-request rows around these; the simulator calls them on its counting fakes, so both run the same
-decisions.
+``begin`` finds a request's cached prefix on every tier, cuts it where a load planner says
+(before anything moves), brings a storage hit to host (waiting per the prefetch policy), loads
+the host part back to the device (one layer-wise job), and locks that prefix; ``finish``
+inserts the request's whole pages, frees its duplicate and partial-page slots and unlocks;
+``abort`` frees its own slots and unlocks without inserting. The facade wraps request rows
+around these; the simulator calls them on its counting fakes, so both run the same decisions.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import RequestHits
+from tiered_kv.cache.prefix_match import PrefixMatch
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.tree.node import TreeNode
 
 
@@ -43,14 +45,19 @@ def begin(
     prefetch_threshold: int = 1,
     prefetch_wait: Callable[[int], float | None] = lambda tokens: None,
     prior: bytes = b"",
+    plan: Callable[[PrefixMatch], int] | None = None,
 ) -> PrefixGrant:
     """Lock the cached prefix of ``tokens`` on the device. A storage hit of at least
     ``prefetch_threshold`` tokens is prefetched (waiting ``prefetch_wait(hit tokens)``
     seconds, None: until done). When the device cannot take the host part, that part is
     computed instead. ``prompt_tokens``: the request's prompt length (for the hit counts).
-    ``prior``: the request's identity; only pages written under the same one are matched."""
+    ``prior``: the request's identity; only pages written under the same one are matched.
+    ``plan`` (``LoadPlanner.plan``): given the match, how many of its tokens to take (whole
+    pages, at least the device part); the rest is computed, nothing of it fetched or loaded."""
     manager.poll()
     m = manager.match_prefix(tokens, prior=prior)
+    if plan is not None:
+        m = _follow_plan(manager, m, tokens, plan, max(1, prefetch_threshold))
     hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
     if m.storage_hit_length >= max(1, prefetch_threshold):
         op = manager.prefetcher.start(m, tokens)
@@ -84,6 +91,48 @@ def begin(
     hits.missed = prompt_tokens - prefix
     hits.host = min(hits.host, prefix - hits.device)
     return PrefixGrant(node, slots, hits, load_slot, prior)
+
+
+def _follow_plan(
+    manager: CacheManager,
+    m: PrefixMatch,
+    tokens,
+    plan: Callable[[PrefixMatch], int],
+    threshold: int,
+) -> PrefixMatch:
+    """``m`` cut where ``plan`` says, before anything moves; the tokens it declines are
+    counted per tier (a storage hit under ``threshold`` is never fetched: not offered)."""
+    ps, device, host = manager.page_size, m.device_hit_length, m.host_hit_length
+    storage = m.storage_hit_length if m.storage_hit_length >= threshold else 0
+    if host + storage == 0:
+        return m  # only device hits (or none): nothing to decide
+    offered = m._replace(storage_hit_length=storage, storage_keys=m.storage_keys[: storage // ps])
+    end = device + host + storage
+    cut = plan(offered)
+    if isinstance(cut, bool) or not isinstance(cut, int) or not device <= cut <= end or cut % ps:
+        raise InvalidArgumentError(
+            f"the load plan returned {cut!r}; it must be a whole number of pages (page_size "
+            f"{ps}) from the device part ({device}) to the match's end ({end})"
+        )
+    took_storage = max(0, cut - device - host)
+    if took_storage and took_storage < threshold:  # too short to be fetched: computed
+        cut, took_storage = device + host, 0
+    counts = manager.metrics.planner
+    counts.planned += 1
+    counts.declined_storage_tokens += storage - took_storage
+    counts.declined_host_tokens += device + host - min(cut, device + host)
+    if cut == end:
+        return m
+    if cut >= device + host:  # the first storage pages only (or none: no prefetch)
+        pages = took_storage // ps
+        return m._replace(
+            storage_hit_length=took_storage,
+            storage_keys=m.storage_keys[:pages],
+            storage_windowless=min(m.storage_windowless, pages),
+        )
+    # Inside the host part: a second look at the shorter prefix (no second hit) splits the
+    # tree at the cut, so only the host pages before it are loaded back.
+    return manager.match_prefix(tokens[:cut], check_storage=False, count_hit=False, prior=m.prior)
 
 
 def finish(

@@ -81,6 +81,16 @@ class StateCounters:
 
 
 @dataclass
+class PlannerCounters:
+    """The load planner's decisions: requests it planned, matched tokens it declined (computed
+    instead of loaded), per tier."""
+
+    planned: int = 0
+    declined_host_tokens: int = 0
+    declined_storage_tokens: int = 0
+
+
+@dataclass
 class CacheMetrics:
     """The one stats tree of a cache."""
 
@@ -89,6 +99,7 @@ class CacheMetrics:
     host: TierCounters = field(default_factory=TierCounters)
     window: WindowCounters = field(default_factory=WindowCounters)
     state: StateCounters = field(default_factory=StateCounters)
+    planner: PlannerCounters = field(default_factory=PlannerCounters)
     storage_errors: int = 0  # failed probes, refused and failed storage jobs
     transfer: TransferStats = field(default_factory=TransferStats)
 
@@ -144,6 +155,7 @@ class CacheMetrics:
             },
             "window": as_dict(self.window),
             "state": as_dict(self.state),
+            "planner": as_dict(self.planner),
             "occupancy": dict(occupancy),
         }
 

@@ -152,6 +152,19 @@ class CacheCollector(Collector):
             doc = f"Sliding-window models: window {key.replace('_', ' ')}."
             yield _counter(f"{p}_window_{key}", doc, value)
         yield from self._state(st["state"])
+        pl = st["planner"]
+        yield _counter(
+            f"{p}_planner_planned_requests",
+            "Requests whose cached prefix the load planner chose what to load of.",
+            pl["planned"],
+        )
+        yield _by_label(
+            CounterMetricFamily,
+            f"{p}_planner_declined_tokens",
+            "Matched prompt tokens the load planner computed rather than loaded, by their tier.",
+            "tier",
+            {t: pl[f"declined_{t}_tokens"] for t in ("host", "storage")},
+        )
         for key, doc in _TOKENS:
             values = {t: o[key] for t, o in occ.items() if key in o}
             yield _by_label(GaugeMetricFamily, f"{p}_tier_{key}", doc, "tier", values)

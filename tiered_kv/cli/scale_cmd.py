@@ -1,6 +1,7 @@
 """The main job: serve a long-context multi-turn workload at a real model's KV size with the
-batched scheduler and synthetic KV, three ways in one run: tiered (device + host + disk), device
-only, and recomputing everything. The device holds ~10% of the workload's unique tokens, the host
+batched scheduler and synthetic KV, four ways in one run: tiered (device + host + disk), device
+only, recomputing everything, and tiered with the load planner (per request, load what is faster
+to load than to compute). The device holds ~10% of the workload's unique tokens, the host
 ~30% more, the disk all of it. Compute time is MODELED from a stated cost model (a named
 accelerator's prefill tokens/s and decode step time) and modeled link bandwidths; bytes moved
 and their GB/s are measured on this machine. Every restored prefix is verified byte for byte.
@@ -18,7 +19,7 @@ from tiered_kv.cli.observe import add_metrics_arguments, metrics_endpoint
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.engine.cost_model import COST_MODELS
 from tiered_kv.engine.presets import PRESETS
-from tiered_kv.engine.scale_run import MODES, run_scale
+from tiered_kv.engine.scale_run import MODES, TIERED, run_scale
 from tiered_kv.engine.scale_workload import PRESET_COST_MODELS, ScaleConfig, sizes
 from tiered_kv.engine.synthetic_model import LinkModel
 from tiered_kv.errors import InvalidArgumentError
@@ -26,7 +27,7 @@ from tiered_kv.names import ModelKind
 
 HELP = (
     "the main job: a long-context workload at real model scale, tiered vs device-only vs "
-    "recompute (synthetic KV, modeled compute)"
+    "recompute vs tiered with the load planner (synthetic KV, modeled compute)"
 )
 _D = ScaleConfig()
 FULL_ATTENTION = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA)  # what the scheduler serves
@@ -152,6 +153,8 @@ def print_report(res: dict) -> None:
         row("computed tokens", lambda m: m["computed_tokens"]),
         *(row(f"hit {t}", lambda m, t=t: pct(m, t)) for t in ("device", "host", "storage")),
         row("missed (computed)", lambda m: pct(m, "missed")),
+        row("  planner declined host / storage", lambda m: "{declined_host_tokens} / "
+            "{declined_storage_tokens}".format(**m["planner"])),
         row("modeled total s", lambda m: f"{m['modeled']['total_s']:.2f}"),
         row("  prefill / decode / load s", lambda m: "{prefill_s:.2f} / {decode_s:.2f} / "
             "{load_s:.2f}".format(**m["modeled"])),
@@ -166,17 +169,29 @@ def print_report(res: dict) -> None:
     ]  # fmt: skip
     print()
     print(table(["", *modes], rows))
-    if "tiered" in r:
-        t = r["tiered"]["transfers"]
+    for mode in (m for m in TIERED if m in r):
+        t = r[mode]["transfers"]
         rows = [[d, v["bytes"] / 2**20, v["seconds"], v["gbps"], v["ops"]] for d, v in t.items()]
-        print("\ntiered run, bytes moved (measured on this machine)")
+        print(f"\n{mode} run, bytes moved (measured on this machine)")
         print(table(["transfer", "MiB", "s", "GB/s", "ops"], rows))
     g = res["gains"]
-    if g:
-        print("\ntiered vs " + ", ".join(
-            f"{b}: {g[f'throughput_vs_{b}']:.2f}x throughput, {g[f'ttft_p50_vs_{b}']:.2f}x TTFT p50"
-            for b in ("device_only", "recompute") if f"throughput_vs_{b}" in g
-        ) + " (modeled)")  # fmt: skip
+    for mode, prefix, bases in (
+        ("tiered", "", ("device_only", "recompute")),
+        ("tiered_planner", "planner_", ("tiered", "recompute")),
+    ):
+        got = [b for b in bases if f"{prefix}throughput_vs_{b}" in g]
+        if got:
+            print(f"\n{mode} vs " + ", ".join(
+                f"{b}: {g[f'{prefix}throughput_vs_{b}']:.2f}x throughput, "
+                f"{g[f'{prefix}ttft_p50_vs_{b}']:.2f}x TTFT p50" for b in got
+            ) + " (modeled)", end="")  # fmt: skip
+    print()
+    est = r.get("tiered_planner", {}).get("planner", {}).get("estimates")
+    if est:
+        print("planner's estimates at the end (fed by the modeled links): " + ", ".join(
+            f"{d} {e['gbps']:.3g} GB/s + {1e6 * e['op_s']:.3g} us/op ({e['observed_ops']} ops)"
+            for d, e in est.items() if d != "compute"
+        ) + f"; compute cost: {est['compute']}")  # fmt: skip
     la = res.get("load_average") or {}
     print(f"wall {res['wall_s']:.1f} s; load average before {la.get('before')}, after "
           f"{la.get('after')} ({time.strftime('%H:%M:%S')})")  # fmt: skip

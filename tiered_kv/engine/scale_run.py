@@ -1,5 +1,5 @@
 """A long-context multi-turn workload at a real model's KV size, served by the batched
-:class:`~tiered_kv.engine.scheduler.Scheduler` with synthetic KV, three ways in one process.
+:class:`~tiered_kv.engine.scheduler.Scheduler` with synthetic KV, four ways in one process.
 
 The workload and the tier sizes are :mod:`~tiered_kv.engine.scale_workload`'s (users in
 sessions over shared documents and their own histories; the device ~10% of its unique
@@ -9,7 +9,12 @@ same decoded tokens:
 - ``tiered``: device + host + storage (write-through, storage hits prefetched and waited for);
 - ``device_only``: the same device, no host or storage tier (``host_tokens=0``);
 - ``recompute``: no prefix reuse at all: each request's first token is salted (so no page of
-  it matches anything cached) and no KV is written (nothing could read it).
+  it matches anything cached) and no KV is written (nothing could read it);
+- ``tiered_planner``: ``tiered`` with the cache's load planner (``load_planner=True``): per
+  request it takes what is faster to load than to compute and computes the rest. Its compute
+  cost is the cost model's prefill time; its link estimates are fed from the modeled clock's
+  per-link load times (the links it "measures" here are the modeled ones), from the config's
+  stated priors until the first loads.
 
 Times are modeled (:class:`~tiered_kv.engine.synthetic_model.ModeledClock`): prefill only of
 the tokens actually computed, decode steps, and restored prefixes' loads at modeled link
@@ -39,7 +44,8 @@ from tiered_kv.engine.synthetic_kv import SyntheticKV
 from tiered_kv.engine.synthetic_model import ModeledClock, SyntheticModel
 from tiered_kv.errors import InvalidArgumentError, StateError
 
-MODES = ("tiered", "device_only", "recompute")
+MODES = ("tiered", "device_only", "recompute", "tiered_planner")
+TIERED = ("tiered", "tiered_planner")  # the modes with a host and a storage tier
 SALT = 1 << 31  # recompute: first token ids no prompt otherwise holds
 Hook = Callable[[TieredKVCache, Request], None]
 CacheHook = Callable[[str, TieredKVCache], None]  # (mode, its cache) once the cache is built
@@ -58,10 +64,10 @@ def run_mode(
     metrics endpoint shows its registry)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode={mode!r}; use one of {', '.join(MODES)}")
-    if mode == "tiered" and store_dir is None:
-        raise InvalidArgumentError("the tiered mode needs a store_dir for its store")
+    if mode in TIERED and store_dir is None:
+        raise InvalidArgumentError(f"the {mode} mode needs a store_dir for its store")
     s, p, ps = sizes(cfg), cfg.model_preset, cfg.page_size
-    tiered = mode == "tiered"
+    tiered = mode in TIERED
     config = TieredKVConfig.flat(
         **geometry(p), page_size=ps, device_tokens=s.device_tokens,
         host_tokens=s.host_tokens if tiered else 0, storage_bytes=s.storage_bytes if tiered else 0,
@@ -70,6 +76,7 @@ def run_mode(
         prefetch_policy="wait_complete", prefetch_threshold=ps,
         storage_backend=cfg.storage_backend, storage_options=cfg.storage_options,
         storage_local_copy=cfg.storage_local_copy and tiered,
+        load_planner=mode == "tiered_planner",
     )  # fmt: skip
     cache = TieredKVCache(config)
     t0 = time.perf_counter()
@@ -84,9 +91,14 @@ def run_mode(
             policy=SchedulePolicy.CACHE_AWARE, defer_shared_tokens=4 * ps,
         ))  # fmt: skip
         clock = ModeledClock(cfg.cost, cfg.links, s.bytes_per_token)
+        planner = cache.load_planner
+        if planner is not None:
+            planner.set_compute_cost(lambda tokens, context: cfg.cost.prefill_s(tokens))
+            planner.set_load_source(clock.link_stats)
         records = _serve(cfg, mode, sched, model, clock)
         cache.drain()
         stats = cache.stats()
+        stats["planner"]["estimates"] = planner.estimates() if planner is not None else None
     finally:
         cache.close()
     wall = time.perf_counter() - t0
@@ -164,6 +176,7 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
             "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
         },
         "transfers": stats["transfer"],
+        "planner": stats["planner"],  # its decisions (zeros in the other modes), its estimates
         "verification": {
             "restores": model.restores,
             "verified_tokens": model.verified_tokens,
@@ -203,14 +216,16 @@ def run_scale(
 
 def gains(results: dict) -> dict:
     """The tiered mode's modeled throughput and TTFT p50 against each baseline it ran with
-    (baseline TTFT / tiered TTFT: > 1 means the tiers won)."""
+    (baseline TTFT / tiered TTFT: > 1 means the tiers won), and the planner's (``planner_*``)
+    against blind tiered loading and recomputing."""
     out = {}
-    t = results.get("tiered")
-    for base in ("device_only", "recompute"):
-        b = results.get(base)
+    pairs = [("tiered", base, "") for base in ("device_only", "recompute")]
+    pairs += [("tiered_planner", base, "planner_") for base in ("tiered", "recompute")]
+    for mode, base, prefix in pairs:
+        t, b = results.get(mode), results.get(base)
         if t is None or b is None:
             continue
         tm, bm = t["modeled"], b["modeled"]
-        out[f"throughput_vs_{base}"] = tm["tokens_per_s"] / bm["tokens_per_s"]
-        out[f"ttft_p50_vs_{base}"] = bm["ttft_p50_s"] / tm["ttft_p50_s"]
+        out[f"{prefix}throughput_vs_{base}"] = tm["tokens_per_s"] / bm["tokens_per_s"]
+        out[f"{prefix}ttft_p50_vs_{base}"] = bm["ttft_p50_s"] / tm["ttft_p50_s"]
     return out

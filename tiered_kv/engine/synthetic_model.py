@@ -36,11 +36,14 @@ from tiered_kv.engine.cost_model import CostModel
 from tiered_kv.engine.serve import PagedKV
 from tiered_kv.engine.synthetic_kv import SyntheticKV
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import Direction
+from tiered_kv.transfer.stats import DirectionStats
 
 VOCAB_SIZE = 32_000
 _CONTEXT = 8  # the next token hashes this many last tokens and the position
 _SEEN = "synthetic_checked"  # Request.extra keys: its restored prefix was verified,
 _WRITTEN = "synthetic_written"  # and the positions below this hold their KV
+_LINKS = (Direction.HOST_TO_DEVICE, Direction.STORAGE_TO_HOST)
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,19 @@ class LinkModel:
             if not ok or not math.isfinite(v) or v <= 0:
                 raise InvalidArgumentError(f"LinkModel.{name}={v!r} must be a finite number > 0")
 
+    def link_loads(
+        self, loaded: LoadedTokens, bytes_per_token: int
+    ) -> tuple[tuple[Direction, int, float], ...]:
+        """(direction, bytes, modeled seconds) on each link ``loaded`` crosses."""
+        to_device = (loaded.host + loaded.storage) * bytes_per_token
+        to_host = loaded.storage * bytes_per_token
+        return (
+            (Direction.HOST_TO_DEVICE, to_device, to_device / self.host_to_device_bytes_per_s),
+            (Direction.STORAGE_TO_HOST, to_host, to_host / self.storage_to_host_bytes_per_s),
+        )
+
     def load_s(self, loaded: LoadedTokens, bytes_per_token: int) -> float:
-        host_s = (loaded.host + loaded.storage) * bytes_per_token / self.host_to_device_bytes_per_s
-        return host_s + loaded.storage * bytes_per_token / self.storage_to_host_bytes_per_s
+        return sum(seconds for _, _, seconds in self.link_loads(loaded, bytes_per_token))
 
 
 class ModeledClock:
@@ -172,6 +185,9 @@ class ModeledClock:
         self.prefill_s = self.decode_s = self.load_s = 0.0
         self.step_end: list[float] = []  # the clock at the end of each step
         self.idle_steps = 0  # steps that ran nothing (waiting for copies): not charged
+        # Modeled bytes and seconds per link, one op per step that loads (a load planner's
+        # observations in a run where the links are modeled: ``link_stats``).
+        self._moved = {d: DirectionStats() for d in _LINKS}
 
     def advance(self, step: StepResult, loaded: LoadedTokens, decode_context_tokens: int) -> float:
         """Charge one step: its computed prompt tokens, one decode step of its decoded batch
@@ -183,9 +199,19 @@ class ModeledClock:
             kv_bytes = decode_context_tokens * self.bytes_per_token
             decode = self.cost.decode_s(len(step.decoded), kv_bytes)
         load = self.links.load_s(loaded, self.bytes_per_token)
+        for direction, nbytes, seconds in self.links.link_loads(loaded, self.bytes_per_token):
+            if nbytes:
+                moved = self._moved[direction]
+                moved.bytes += nbytes
+                moved.seconds += seconds
+                moved.ops += 1
         self.prefill_s += prefill
         self.decode_s += decode
         self.load_s += load
         self.now += prefill + decode + load
         self.step_end.append(self.now)
         return self.now
+
+    def link_stats(self) -> dict[str, DirectionStats]:
+        """Modeled bytes, seconds and ops so far per link (``TransferStats.snapshot``'s form)."""
+        return {d.value: DirectionStats(m.bytes, m.seconds, m.ops) for d, m in self._moved.items()}
