@@ -199,6 +199,9 @@ class PolicyConfig:
     prefetch_timeout_base_s: float = 0.5
     prefetch_timeout_per_1k_s: float = 0.25
     prefetch_timeout_max_s: float = 5.0
+    # Sampled live verification (``cache.verify``): the fraction of restored prefixes whose KV
+    # the engine's verifier recomputes and compares before their first forward (0.0: none).
+    verify_fraction: float = 0.0
     # The load planner (``cache.load_planner``, needs a host tier): per request, load a cached
     # prefix or compute it again, whichever its estimates say is faster. Its priors (what it
     # assumes before observing a copy, or before the engine gives its compute cost):
@@ -211,6 +214,9 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         _ints(self, ("selective_hits",))
+        v = self.verify_fraction  # NaN fails both comparisons
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+        _need(ok, self, "verify_fraction", "a number from 0.0 (verify none) to 1.0 (verify all)")
         _need(isinstance(self.load_planner, bool), self, "load_planner", "True or False")
         for n in ("planner_host_gbps", "planner_storage_gbps"):
             _finite(self, n, positive=True, unit="GB/s")

@@ -248,5 +248,5 @@ def test_stale_copy_is_never_matched_nor_built_upon():
     (freed,) = tree.dec_lock_ref(node)
     assert len(freed) == 8 and not node.on_device and node.on_host and not node.stale
     check_tree(tree)
-    with pytest.raises(StateError, match="both tiers"):
+    with pytest.raises(StateError, match="not on the device"):
         tree.mark_stale(node)

@@ -22,7 +22,7 @@ import threading
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tiered_kv.cache import lifecycle
+from tiered_kv.cache import lifecycle, verify
 from tiered_kv.cache.build import build_cache_parts
 from tiered_kv.cache.prom import cache_registry, register_cache
 from tiered_kv.cache.request import (
@@ -40,7 +40,7 @@ from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import extra_key_prior
 
 
-class TieredKVCache:
+class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
     def __init__(self, config: TieredKVConfig, registry: CollectorRegistry | None = None) -> None:
         if not isinstance(config, TieredKVConfig):
             raise InvalidArgumentError(

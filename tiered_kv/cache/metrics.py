@@ -91,6 +91,22 @@ class PlannerCounters:
 
 
 @dataclass
+class VerifyCounters:
+    """Sampled live verification (``cache.verify``): restored prefixes sampled and not, checked
+    equal, found wrong (their pages quarantined), verifiers that failed, and the tokens."""
+
+    sampled: int = 0
+    skipped: int = 0  # restored prefixes not sampled (or no verifier set)
+    verified: int = 0  # the verifier found every page equal
+    mismatched: int = 0  # prefixes with a wrong page: pages quarantined, the request recomputes
+    errors: int = 0  # the verifier raised or answered nonsense: the request recomputes
+    stale_cut: int = 0  # prefixes holding a garbage copy (failed load, quarantined): cut back
+    verified_tokens: int = 0
+    quarantined_pages: int = 0
+    recomputed_tokens: int = 0  # restored tokens taken back from requests (computed again)
+
+
+@dataclass
 class CacheMetrics:
     """The one stats tree of a cache."""
 
@@ -99,6 +115,7 @@ class CacheMetrics:
     host: TierCounters = field(default_factory=TierCounters)
     window: WindowCounters = field(default_factory=WindowCounters)
     state: StateCounters = field(default_factory=StateCounters)
+    verify: VerifyCounters = field(default_factory=VerifyCounters)
     planner: PlannerCounters = field(default_factory=PlannerCounters)
     storage_errors: int = 0  # failed probes, refused and failed storage jobs
     transfer: TransferStats = field(default_factory=TransferStats)
@@ -155,6 +172,7 @@ class CacheMetrics:
             },
             "window": as_dict(self.window),
             "state": as_dict(self.state),
+            "verify": as_dict(self.verify),
             "planner": as_dict(self.planner),
             "occupancy": dict(occupancy),
         }

@@ -152,6 +152,9 @@ class CacheCollector(Collector):
             doc = f"Sliding-window models: window {key.replace('_', ' ')}."
             yield _counter(f"{p}_window_{key}", doc, value)
         yield from self._state(st["state"])
+        for key, value in st["verify"].items():  # restored prefixes and their pages and tokens
+            doc = f"Sampled live verification of restored prefixes: {key.replace('_', ' ')}."
+            yield _counter(f"{p}_verify_{key}", doc, value)
         pl = st["planner"]
         yield _counter(
             f"{p}_planner_planned_requests",

@@ -39,6 +39,8 @@ class Request:
     # prior: its pages are matched, inserted and stored under that identity only.
     extra_key: str | bytes | None = None
     prior: bytes = b""
+    # Whether sampled live verification has decided on its restored prefix (``verify_restored``).
+    verify_decided: bool = False
 
     @property
     def row(self) -> int:

@@ -237,6 +237,28 @@ class StateLedger:
             if s is not None and s.host is not None:
                 self._evict_host(d, s)
 
+    def discard(self, digests) -> int:
+        """Forget the snapshots these digests name on every tier (their prefix's pages were
+        found wrong, so the state after them was computed over wrong KV): device and host slots
+        freed, stored values deleted (trouble there is a counted error). Returns how many this
+        ledger held."""
+        digests, held = list(digests), 0
+        for d in digests:
+            s = self.snaps.pop(d, None)
+            if s is None:
+                continue
+            held += 1
+            if s.device is not None:
+                self.slots.free(_one(s.device))
+            if s.host is not None:
+                self.host.free(_one(s.host))
+        if self.store is not None and digests:
+            try:
+                self.store.delete(state_keys_of(self.namespace, digests))
+            except Exception:  # noqa: BLE001 - storage trouble is counted, never raised
+                self.counts.errors += 1
+        return held
+
     def _evict_device(self, d: bytes, s: Snapshot) -> None:
         with self._working(d):
             self.to_host(d)

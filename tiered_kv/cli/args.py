@@ -27,6 +27,17 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1] (NaN refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be a fraction from 0 to 1")
+    return value
+
+
 def capacity_list(text: str) -> list[float]:
     """Comma-separated capacities: fractions of the unique blocks (0 < f <= 1, e.g. 0.05) or
     absolute block counts (integers > 1)."""

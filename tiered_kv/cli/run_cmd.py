@@ -5,7 +5,7 @@ Several users share system prompts and talk for several rounds; each prompt is a
 the user's history and a new question. The tiers are sized so the device overflows into host
 and host into the LMDB store (kept under --store, so a second run starts with the first run's
 pages on disk). Every request's logits are checked against the same request computed with
-caching disabled.
+caching disabled, and every restored prefix's KV before its prefill (``cache.verify``).
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ def main(args: argparse.Namespace) -> int:
         write_policy=args.write_policy,
         prefetch_policy=args.prefetch_policy,
         prefetch_threshold=args.prefetch_threshold,
+        verify_fraction=0.0 if args.no_verify else 1.0,  # every restored prefix recomputed
         max_context_len=max(
             8192,
             args.system_tokens + args.rounds * (args.question_tokens + args.answer_tokens) + 64,
@@ -318,6 +319,7 @@ def summarize(args, cfg, records, stats, elapsed) -> dict:
             "max_rel_diff": worst,
             "tolerance": REL_TOLERANCE,
             "passed": passed if verified else None,
+            "prefixes": stats["verify"],  # restored prefixes recomputed before their prefill
         },
         "elapsed_s": elapsed,
         "per_request": records,
@@ -370,4 +372,10 @@ def print_report(res: dict) -> None:
             f"verification: {v['requests']} requests against a no-cache run, "
             f"{v['bitwise']} bitwise equal, max relative difference {v['max_rel_diff']:.2e} "
             f"(tolerance {v['tolerance']:g}): {'PASS' if v['passed'] else 'FAIL'}"
+        )
+        p = v["prefixes"]
+        print(
+            f"restored prefixes: {p['sampled']} recomputed with caching disabled and compared "
+            f"before their prefill, {p['verified']} equal, {p['mismatched']} wrong "
+            f"({p['quarantined_pages']} pages quarantined), {p['errors']} verifier errors"
         )

@@ -4,7 +4,8 @@ only, recomputing everything, and tiered with the load planner (per request, loa
 to load than to compute). The device holds ~10% of the workload's unique tokens, the host
 ~30% more, the disk all of it. Compute time is MODELED from a stated cost model (a named
 accelerator's prefill tokens/s and decode step time) and modeled link bandwidths; bytes moved
-and their GB/s are measured on this machine. Every restored prefix is verified byte for byte.
+and their GB/s are measured on this machine. Restored prefixes are verified byte for byte
+(``--verify-fraction`` of them, all by default).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import dataclasses
 import os
 import time
 
-from tiered_kv.cli.args import add_storage_backend_arguments, check_storage_backend, positive_int
+from tiered_kv.cli.args import (
+    add_storage_backend_arguments,
+    check_storage_backend,
+    fraction,
+    positive_int,
+)
 from tiered_kv.cli.observe import add_metrics_arguments, metrics_endpoint
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.engine.cost_model import COST_MODELS
@@ -63,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-running", type=positive_int, default=_D.max_running)
     c.add_argument("--device-fraction", type=_positive_float, default=_D.device_fraction)
     c.add_argument("--host-fraction", type=_positive_float, default=_D.host_fraction)
+    c.add_argument(
+        "--verify-fraction",
+        type=fraction,
+        default=_D.verify_fraction,
+        help="restored prefixes checked byte for byte before their first forward (a wrong "
+        "page is quarantined on every tier and computed again); 0 checks none",
+    )
     c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
     add_storage_backend_arguments(c)
     add_metrics_arguments(p.add_argument_group("observability"))
@@ -158,11 +171,13 @@ def print_report(res: dict) -> None:
         row("modeled total s", lambda m: f"{m['modeled']['total_s']:.2f}"),
         row("  prefill / decode / load s", lambda m: "{prefill_s:.2f} / {decode_s:.2f} / "
             "{load_s:.2f}".format(**m["modeled"])),
+        row("  verify s (not in total)", lambda m: f"{m['modeled']['verify_s']:.2f}"),
         row("modeled tokens/s", lambda m: f"{m['modeled']['tokens_per_s']:.0f}"),
         row("modeled TTFT p50 ms", lambda m: f"{1e3 * m['modeled']['ttft_p50_s']:.1f}"),
         row("modeled TTFT p99 ms", lambda m: f"{1e3 * m['modeled']['ttft_p99_s']:.1f}"),
         row("verified tokens", lambda m: m["verification"]["verified_tokens"]),
         row("mismatched tokens", lambda m: m["verification"]["mismatched_tokens"]),
+        row("quarantined pages", lambda m: m["verification"]["quarantined_pages"]),
         row("steps (idle)", lambda m: f"{m['scheduler']['steps']} ({m['modeled']['idle_steps']})"),
         row("retracted", lambda m: m["scheduler"]["retracted"]),
         row("wall s", lambda m: f"{m['wall_s']:.1f}"),

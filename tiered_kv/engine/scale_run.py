@@ -76,6 +76,7 @@ def run_mode(
         prefetch_policy="wait_complete", prefetch_threshold=ps,
         storage_backend=cfg.storage_backend, storage_options=cfg.storage_options,
         storage_local_copy=cfg.storage_local_copy and tiered,
+        verify_fraction=cfg.verify_fraction,
         load_planner=mode == "tiered_planner",
     )  # fmt: skip
     cache = TieredKVCache(config)
@@ -169,6 +170,7 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
             "prefill_s": clock.prefill_s,
             "decode_s": clock.decode_s,
             "load_s": clock.load_s,
+            "verify_s": clock.verify_s,  # a real engine's verification recompute: not in total
             "idle_steps": clock.idle_steps,
             "tokens_per_s": (prompt + generated) / total if total else 0.0,
             "requests_per_s": len(records) / total if total else 0.0,
@@ -180,7 +182,10 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
         "verification": {
             "restores": model.restores,
             "verified_tokens": model.verified_tokens,
-            "mismatched_tokens": model.mismatched_tokens,
+            "mismatched_tokens": model.mismatched_tokens,  # found and quarantined
+            "sampled": stats["verify"]["sampled"],
+            "quarantined_pages": stats["verify"]["quarantined_pages"],
+            "recomputed_tokens": model.recomputed_tokens,
             "checksum_failures": stats["storage"].get("checksum_failures", 0),
         },
         "scheduler": dataclasses.asdict(sched.stats),

@@ -65,6 +65,9 @@ class ScaleConfig:
     storage_backend: str = StorageConfig.storage_backend
     storage_options: Mapping[str, object] | None = None
     storage_local_copy: bool = False
+    # The cache's ``verify_fraction``: restored prefixes the synthetic model checks byte for
+    # byte before their first forward (a wrong one quarantined and computed again).
+    verify_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -76,6 +79,9 @@ class ScaleConfig:
             f = getattr(self, name)
             if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
                 raise InvalidArgumentError(f"{name}={f!r} must be a fraction in (0, 1]")
+        f = self.verify_fraction
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f <= 1:
+            raise InvalidArgumentError(f"verify_fraction={f!r} must be a fraction in [0, 1]")
         if self.chunk_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={self.page_size}"

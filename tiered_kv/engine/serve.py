@@ -8,6 +8,13 @@ and the device pool, which waits for each layer's load), then greedy decoding on
 time (``alloc_decode``), then ``finish`` (the sequence goes into the tree; its pages move down
 the tiers as memory fills). With ``verify``, the same prompt and decode are recomputed with
 caching disabled and every logit compared.
+
+The server is its cache's verifier (``cache.verify``): before the prefill, ``verify_restored``
+lets the cache sample the restored prefix (``run-reference`` samples every one), and a sampled
+one is recomputed with caching disabled and compared, bit for bit, layer by layer (a window
+layer on the positions the next query reads, a hybrid's recurrent state at its end, a DSA
+model's indexer keys); a wrong page is quarantined and the request computes from before it.
+TTFT leaves that check out (it is the reference's recompute, not serving).
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class RequestRecord:
     ttft_s: float  # begin -> logits of the last prompt token, served from the cache
     total_s: float
     recompute_ttft_s: float | None = None  # the same prompt with caching disabled
+    verify_s: float = 0.0  # the restored prefix's check (left out of ttft_s and total_s)
     max_rel_diff: float | None = None  # over every logit of prefill and decode (0.0: bitwise)
     bitwise: bool | None = None
 
@@ -147,6 +155,7 @@ class Server:
                     f"{type(model).__name__} needs {what} {m!r}, the cache has {k!r}"
                 )
         self._count = 0
+        cache.set_verifier(self.restored_mismatch)
 
     def serve(
         self,
@@ -162,11 +171,14 @@ class Server:
         t0 = time.perf_counter()
         req = cache.begin(prompt, extra_key=extra_key)
         try:
+            t = time.perf_counter()
+            cache.verify_restored(req)  # may cut the prefix back (its wrong pages quarantined)
+            verify_s = time.perf_counter() - t
             prefix = req.prefix_len
             cache.extend(req, prompt[prefix:])
             kv = PagedKV(cache, req, model.embed.dtype)
             logits = self._forward(torch.tensor(prompt[prefix:]), prefix, kv, req)
-            ttft = time.perf_counter() - t0
+            ttft = time.perf_counter() - t0 - verify_s
             served = [logits[-1]]
             out: list[int] = []
             pos = len(prompt)
@@ -184,12 +196,13 @@ class Server:
             raise
         cache.finish(req)
         cache.poll()
-        total = time.perf_counter() - t0
+        total = time.perf_counter() - t0 - verify_s
         h = req.hits
         self._count += 1
         record = RequestRecord(
             self._count, len(prompt), len(out), h.device, h.host, h.storage, h.missed, ttft, total
         )
+        record.verify_s = verify_s
         if verify:
             self._verify(prompt, out, served, record)
         return out, record
@@ -201,6 +214,35 @@ class Server:
         # (the snapshot at the end of the cached prefix comes from there).
         track = functools.partial(self.cache.track_state, req)
         return self.model.forward(tokens, start, kv, self.chunk, on_boundary=track)
+
+    def restored_mismatch(self, req: Request) -> torch.Tensor:
+        """The cache's verifier: ``req``'s restored prefix recomputed with caching disabled;
+        per prefix token, whether the cache holds other KV in some layer (bit for bit, in the
+        cache's dtype; a wrong recurrent state flags the last token)."""
+        model, end = self.model, req.prefix_len
+        dense = dense_kv_for(model.cfg, end + self.chunk)
+        model.forward(torch.tensor(req.tokens[:end]), 0, dense, self.chunk)
+        paged = PagedKV(self.cache, req, model.embed.dtype)
+        stored, g = self.cache.config.torch_dtype, self.cache.config.geometry
+        windowed = set(g.swa_layer_ids()[1]) if g.model == ModelKind.SWA else set()
+        linear = set(model.cfg.linear_layer_ids()) if hasattr(model.cfg, "linear_layer_ids") else ()
+        bad = torch.zeros(end, dtype=torch.bool)
+        for layer in range(model.cfg.num_layers):
+            if layer in linear:
+                if not all(map(_same, paged.read_state(layer), dense.read_state(layer))):
+                    bad[end - 1] = True
+                continue
+            lo = max(0, end - g.sliding_window + 1) if layer in windowed else 0  # what is read
+            pairs = [
+                (got, want.to(stored).to(got.dtype))  # what the cache can hold of it
+                for got, want in zip(paged.read(layer, end), dense.read(layer, end), strict=True)
+                if got is not None
+            ]
+            if hasattr(dense, "read_index"):  # both dequantized from the stored rows
+                pairs.append((paged.read_index(layer, end), dense.read_index(layer, end)))
+            for got, want in pairs:
+                bad[lo:] |= (got[lo:] != want[lo:]).flatten(1).any(dim=1)
+        return bad
 
     def _verify(self, prompt, out, served, record: RequestRecord) -> None:
         """Recompute with caching disabled; compare every logit the served run produced."""
@@ -221,3 +263,7 @@ class Server:
             worst = max(worst, float((a - b).abs().max() / scale))
         record.max_rel_diff = worst
         record.bitwise = bitwise
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

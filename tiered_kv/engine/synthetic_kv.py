@@ -216,6 +216,20 @@ class SyntheticKV:
             bad = self._verify_kv(cache, req, end)
         return int(bad.sum()) + self._verify_state(cache, req, end)
 
+    def mismatched(self, cache: TieredKVCache, req: Request, end: int | None = None):
+        """Per position ``0..end-1`` (default: the cached prefix), whether it holds other bytes
+        than the synthetic ones in some layer; a hybrid model's wrong state flags the last
+        position (a verifier's answer: ``cache.verify``). Mutates nothing."""
+        end = req.prefix_len if end is None else end
+        if not 0 <= end <= len(req.tokens):
+            raise InvalidArgumentError(f"end={end} is outside the request's 0..{len(req.tokens)}")
+        if end == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        bad = self._verify_kv(cache, req, end)
+        if self._verify_state(cache, req, end):
+            bad[end - 1] = True
+        return bad
+
     def _verify_kv(self, cache: TieredKVCache, req: Request, end: int) -> torch.Tensor:
         digests = token_digests(req.tokens, 0, end, self.page_size, req.prior)
         positions = np.arange(end)

@@ -6,16 +6,21 @@ chunk``): it writes the KV of the new positions with :class:`SyntheticKV` throug
 (the bytes a model of the preset's geometry would hold, a function of each token's prefix),
 a page at a time once its last token is forwarded (only whole pages are ever cached), and
 returns one row of fake logits whose argmax is a hash of the last tokens and the position
-(deterministic, so every run of a workload decodes the same tokens). Before a request's first
-forward it checks the prefix the cache restored for it, byte for byte, from whichever tier it
-came (``SyntheticKV.verify``), and counts the mismatched tokens: 0 when every restore was
-exact. An ``on_restored`` hook runs just before that check (the negative control corrupts a
-byte there).
+(deterministic, so every run of a workload decodes the same tokens). It is the cache's
+verifier (``cache.verify``): before a request's first forward it calls ``verify_restored``,
+and for the restored prefixes the cache samples (``verify_fraction``) it checks the bytes, from
+whichever tier they came (``SyntheticKV.mismatched``), and counts the mismatched tokens: 0 when
+every checked restore was exact. A wrong page is quarantined by the cache and the request
+writes its KV again from where it was cut back. An ``on_restored`` hook runs just before each
+check (the negative control corrupts a byte there).
 
 No compute happens, so time is *modeled*: :class:`ModeledClock` charges each scheduler step
 the :class:`~tiered_kv.engine.cost_model.CostModel`'s prefill time for the tokens actually
 computed, its decode time for the batch (and the KV it reads), and the loads of the step's
-restored prefixes at the stated :class:`LinkModel` bandwidths. Measured transfer seconds on
+restored prefixes at the stated :class:`LinkModel` bandwidths. The prefill time a real
+engine's live verification would spend (each checked prefix recomputed, and what a cut took
+back) is modeled apart (``verify_s``), not added to the clock: the synthetic check costs no
+compute, and the run's times stay those of serving. Measured transfer seconds on
 this machine are a CPU memcpy and a local disk, not an accelerator's links, so they are
 reported next to the modeled time, never added to it.
 """
@@ -57,10 +62,14 @@ class LoadedTokens:
 
     host: int = 0
     storage: int = 0
+    # Tokens verification made the engine compute: a sampled prefix recomputed to compare, and
+    # what a cut took back (charged as prefill: ``ModeledClock.verify_s``).
+    verify: int = 0
 
 
 class SyntheticModel:
-    """Writes synthetic KV for what the scheduler computes; verifies every restored prefix.
+    """Writes synthetic KV for what the scheduler computes; verifies the restored prefixes the
+    cache samples (its verifier).
 
     ``write=False`` skips the KV writes (a baseline whose KV nothing ever reads, as a run
     with no prefix reuse); verification then has nothing to check. Counters: ``restores``
@@ -85,7 +94,9 @@ class SyntheticModel:
         self.embed = _Embed(kv.dtype)
         self.page_size = cache.config.page_size
         self.restores = self.verified_tokens = self.mismatched_tokens = 0
-        self.computed_tokens = 0
+        self.computed_tokens = self.recomputed_tokens = 0
+        if write:  # else nothing ever reads the KV (and none is written to check)
+            cache.set_verifier(self._verify)
         self.loaded = LoadedTokens()  # since the last ``take_loaded``
 
     def forward(self, tokens: torch.Tensor, start: int, kv: PagedKV, chunk: int) -> torch.Tensor:
@@ -101,7 +112,7 @@ class SyntheticModel:
             )
         if not req.extra.get(_SEEN):
             req.extra[_SEEN] = True
-            self._check_restored(req)
+            self._check_restored(req, start)
         # Only whole pages are ever cached (``finish`` frees a partial last page), so a page's
         # KV is written once its last token is forwarded: one write per page, not per token.
         written = req.extra.get(_WRITTEN, start)
@@ -114,17 +125,26 @@ class SyntheticModel:
         logits[0, next_token(req.tokens, end)] = 1.0
         return logits
 
-    def _check_restored(self, req: Request) -> None:
+    def _check_restored(self, req: Request, start: int) -> None:
         self.loaded.host += req.hits.host
         self.loaded.storage += req.hits.storage
         if req.prefix_len == 0:
             return
         self.restores += 1
+        if not self.cache.verify_restored(req):  # cut back: its KV is written from there
+            req.extra[_WRITTEN] = req.prefix_len
+            self.recomputed_tokens += start - req.prefix_len
+            self.loaded.verify += start - req.prefix_len
+
+    def _verify(self, req: Request) -> torch.Tensor:
+        """The cache's verifier: which restored prefix tokens hold other bytes than ours."""
         if self.on_restored is not None:
             self.on_restored(self.cache, req)
-        if self.write:
-            self.mismatched_tokens += self.kv.verify(self.cache, req)
-            self.verified_tokens += req.prefix_len
+        bad = self.kv.mismatched(self.cache, req)
+        self.mismatched_tokens += int(bad.sum())
+        self.verified_tokens += req.prefix_len
+        self.loaded.verify += req.prefix_len  # a real engine recomputes the prefix to compare
+        return bad
 
     def take_loaded(self) -> LoadedTokens:
         """The loads counted since the last call (and reset them)."""
@@ -182,7 +202,7 @@ class ModeledClock:
     def __init__(self, cost: CostModel, links: LinkModel, bytes_per_token: int) -> None:
         self.cost, self.links, self.bytes_per_token = cost, links, bytes_per_token
         self.now = 0.0
-        self.prefill_s = self.decode_s = self.load_s = 0.0
+        self.prefill_s = self.decode_s = self.load_s = self.verify_s = 0.0
         self.step_end: list[float] = []  # the clock at the end of each step
         self.idle_steps = 0  # steps that ran nothing (waiting for copies): not charged
         # Modeled bytes and seconds per link, one op per step that loads (a load planner's
@@ -191,7 +211,9 @@ class ModeledClock:
 
     def advance(self, step: StepResult, loaded: LoadedTokens, decode_context_tokens: int) -> float:
         """Charge one step: its computed prompt tokens, one decode step of its decoded batch
-        reading ``decode_context_tokens`` tokens of KV, and its loads. Returns the new time."""
+        reading ``decode_context_tokens`` tokens of KV, and its loads; the prefill of what its
+        verification recomputed (``loaded.verify``) goes to ``verify_s``, not onto the clock.
+        Returns the new time."""
         self.idle_steps += not (step.admitted or step.prefilled_tokens or step.decoded)
         prefill = self.cost.prefill_s(step.prefilled_tokens)
         decode = 0.0
@@ -205,10 +227,12 @@ class ModeledClock:
                 moved.bytes += nbytes
                 moved.seconds += seconds
                 moved.ops += 1
+        verify = self.cost.prefill_s(loaded.verify)
         self.prefill_s += prefill
         self.decode_s += decode
         self.load_s += load
-        self.now += prefill + decode + load
+        self.verify_s += verify
+        self.now += prefill + decode + load  # verification apart: see ``verify_s``
         self.step_end.append(self.now)
         return self.now
 

@@ -56,7 +56,8 @@ class TreeNode:
         self.host_ref = 0
         self.pending: dict[PendingKind, JobId] = {}
         self.hit_count = 0
-        self.stale = False  # device copy from a failed load: dropped once nothing holds it
+        # Device copy is garbage (a failed load's, or quarantined): dropped once nothing holds it.
+        self.stale = False
         # Sliding-window models: the node's window KV is held nowhere (tombstone), only its
         # full KV; such a node is hit only where no query of a hit needs its window KV.
         self.windowless = False

@@ -280,9 +280,10 @@ class TieredTree:
         self._roots.drop_if_bare(parent)  # an identity's root with nothing below it goes
 
     def mark_stale(self, node: TreeNode) -> None:
-        """``node``'s device copy came from a failed load (its host copy, the source, stays)."""
-        if not (node.on_device and node.on_host):
-            raise StateError(f"mark_stale on {node!r}: a failed load's node is on both tiers")
+        """``node``'s device copy is garbage: a failed load's (its host copy, the source, stays)
+        or a quarantined one (``tree.quarantine``: no host copy, it leaves the tree when freed)."""
+        if not node.on_device:
+            raise StateError(f"mark_stale on {node!r}, which is not on the device")
         node.stale = True
 
     def set_windowless(self, node: TreeNode) -> None:
@@ -319,6 +320,8 @@ class TieredTree:
             if n.stale and n.lock_ref == 0 and n.on_device and not device_busy:
                 if not any(c.on_device for c in n.children.values()):
                     freed.append(self.take_device(n))
+                    if not n.on_host:  # quarantined: no good copy left, and no children
+                        self._unlink(n)
         return freed
 
     def inc_host_ref(self, node: TreeNode) -> None:
