@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import HostLayout
+from tiered_kv.storage.contract import as_bytes_tensor
 from tiered_kv.storage.keys import StorageNamespace
 
 # SGLang's MHA host pool also pages by head (page_head); its MLA pool has no such layout.
@@ -84,15 +84,6 @@ def namespace_of(
         rank=rank,
         kv_scales=kv_scales,
     )
-
-
-def as_bytes_tensor(data: object) -> torch.Tensor:
-    """A page's bytes (a tensor, or any buffer a store hands back) as a flat uint8 tensor; a
-    read-only buffer is copied (torch takes no read-only memory)."""
-    if isinstance(data, torch.Tensor):
-        return data.reshape(-1).view(torch.uint8)
-    arr = np.frombuffer(data, dtype=np.uint8)
-    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
 class HostPoolPages:

@@ -60,6 +60,15 @@ def page_rows(source: PageSource) -> np.ndarray | None:
     return rows
 
 
+def as_bytes_tensor(data: object) -> torch.Tensor:
+    """A page's bytes (a tensor, or any buffer a store hands back) as a flat uint8 tensor; a
+    read-only buffer is copied (torch takes no read-only memory)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
 @dataclass
 class StorageStats:
     """Counters since the store was opened (``pages``/``bytes`` are the store's current size)."""

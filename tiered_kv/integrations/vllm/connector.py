@@ -1,0 +1,215 @@
+"""``TieredKVConnector``: tiered_kv's host tier and store behind vLLM's v1 KV connector API.
+
+Loaded by vLLM from ``--kv-transfer-config``::
+
+    {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "tiered_kv.integrations.vllm",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"model_id": "<name>@<revision>", "storage_path": "...",
+                                   "storage_bytes": 107374182400, "host_bytes": 8589934592}}
+
+vLLM builds one instance per role: the scheduler's (``SchedulerSide``: lookups and the step's
+metadata) and the worker's (``WorkerSide``: the copies, on ``ConnectorTiers``). The engine is
+checked at startup and anything the connector cannot store correctly is refused by name
+(``check_engine``): a failure policy other than ``recompute`` (a failed load must be recomputed,
+never served or fatal), more than one KV cache group (vLLM's hybrid manager: this connector does
+not implement ``SupportsHMA``, so vLLM turns the hybrid manager off for it), a KV cache spec
+other than full attention or MLA, a quantized KV cache without ``kv_scales_id``, a parallel
+layout with more than one worker per engine. Imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.integrations.vllm.block_layout import describe_layers
+from tiered_kv.integrations.vllm.metadata import TieredKVMetadata, TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
+from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
+from tiered_kv.integrations.vllm.settings import FLAG, read_settings
+from tiered_kv.integrations.vllm.stats import StatsDelta, TieredKVPromMetrics, TieredKVStats
+from tiered_kv.integrations.vllm.tiers import ConnectorTiers
+from tiered_kv.integrations.vllm.worker_side import WorkerSide
+
+log = logging.getLogger(__name__)
+SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_engine(vllm_config, kv_cache_config, settings) -> None:
+    """Refuse, by name, an engine whose KV this connector cannot store and load correctly."""
+    kt = vllm_config.kv_transfer_config
+    if getattr(kt, "kv_load_failure_policy", "recompute") != "recompute":
+        raise InvalidArgumentError(
+            f"kv_transfer_config.kv_load_failure_policy={kt.kv_load_failure_policy!r}: "
+            "TieredKVConnector needs 'recompute' (a page that cannot be proven to be the one "
+            'written is a miss that vLLM recomputes); add "kv_load_failure_policy": '
+            '"recompute" to --kv-transfer-config'
+        )
+    pc = vllm_config.parallel_config
+    workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    if workers != 1:
+        raise InvalidArgumentError(
+            f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
+            f"{pc.pipeline_parallel_size}: TieredKVConnector runs with one worker per engine "
+            "(each rank would need its own pages, and the scheduler's lookups all of them); "
+            "run one engine per device with data parallelism instead"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        specs = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise InvalidArgumentError(
+            f"{len(groups)} KV cache groups ({', '.join(specs)}): TieredKVConnector stores one "
+            "group; pass --disable-hybrid-kv-cache-manager (models that need the hybrid manager, "
+            "Mamba / linear-attention hybrids, are not supported)"
+        )
+    spec = type(groups[0].kv_cache_spec).__name__
+    if spec not in SUPPORTED_SPECS:
+        raise InvalidArgumentError(
+            f"KV cache spec {spec}: TieredKVConnector supports {', '.join(SUPPORTED_SPECS)} "
+            "(sliding-window layers run as full attention once the hybrid manager is off)"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto" and settings.storage.kv_scales_id is None:
+        raise InvalidArgumentError(
+            f"--kv-cache-dtype {cache_dtype} with no {FLAG}.kv_scales_id: name the KV "
+            "quantization scales (e.g. 'per-tensor:<checkpoint digest>'), or pages written "
+            "under other scales would match"
+        )
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over tiered_kv's tiers (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config)
+        check_engine(vllm_config, kv_cache_config, self.settings)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        self._cache_dtype = vllm_config.cache_config.cache_dtype
+        self._worker: WorkerSide | None = None
+        self._stats: StatsDelta | None = None
+        self._scheduler: SchedulerSide | None = None
+        self._sched_tiers: SchedulerTiers | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched_tiers = SchedulerTiers(self.settings)
+            self._stats = StatsDelta(self._sched_tiers.counters)
+            self._scheduler = SchedulerSide(
+                self._block_size, self.settings.load_async, self._sched_tiers.lookup, self._ids
+            )
+
+    # -- the scheduler half ---------------------------------------------------------------
+    def _ids(self, req_id: str) -> list[int]:
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if not self._sched_tiers.ready:
+            return None, False  # the worker has not reported its namespace yet: ask again
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        host, store = self._scheduler.hit_sources(request, num_external_tokens)
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: store}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, TieredKVWorkerMeta):
+            self._sched_tiers.apply(meta)
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy blocks to the host inside the step that fills them: nothing to wait for.
+        self._scheduler.request_finished(request)
+        return False, None
+
+    # -- the worker half ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layout = describe_layers(kv_caches, num_blocks)
+        if layout.block_size != self._block_size:
+            raise InvalidArgumentError(
+                f"the attention kernel's block size {layout.block_size} differs from vLLM's "
+                f"block size {self._block_size}: pass --block-size {layout.block_size}"
+            )
+        tiers = ConnectorTiers(self.settings, layout, rank=None, kv_cache_dtype=self._cache_dtype)
+        self._worker = WorkerSide(tiers, self.settings.load_async)
+        self._stats = StatsDelta(tiers.counters)
+        log.info(
+            "TieredKVConnector: %d layers, %s blocks of %d tokens, %d host pages of %d bytes, "
+            "store %s",
+            len(layout.layer_ids), layout.layout, layout.block_size, tiers.pages.num_pages,
+            layout.page_nbytes, self.settings.storage.storage_backend,
+        )  # fmt: skip
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, TieredKVMetadata):
+            self._worker.begin_saves(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, TieredKVMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.finish_step_loads()
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self._worker is None:
+            return None, None
+        return None, (self._worker.get_finished() or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> TieredKVWorkerMeta | None:
+        if self._worker is None:
+            return None
+        tiers = self._worker.tiers
+        changes = tiers.slots.take_changes()
+        return TieredKVWorkerMeta(tiers.namespace, tiers.layout.page_nbytes, changes)
+
+    def get_kv_connector_stats(self):
+        return self._stats.take() if self._stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return TieredKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        if self._sched_tiers is not None:
+            self._sched_tiers.close()

@@ -1,0 +1,135 @@
+"""The connector's worker half: the step's loads and saves run against the engine's tiers.
+
+- Async loads (``load_mode: async``): each request's load runs on the tiers' load thread between
+  scheduler steps; ``get_finished`` reports the requests whose load is done, and the blocks that
+  could not be loaded are handed to vLLM (``load_errors``) in the same pass, so vLLM recomputes
+  them before the request runs.
+- Layer-wise loads (``load_mode: layerwise``): the step's loads run on the load thread while
+  the forward starts; ``wait_for_layer_load`` holds a layer's attention until that layer's
+  blocks are in place (the hazard: attention reading a block before its bytes land). Failed
+  blocks are reported after the forward; vLLM discards that step's output for their requests
+  and recomputes them.
+- Saves: ``save_kv_layer`` copies the layer's newly full blocks to host slots right after the
+  layer's attention wrote them; ``wait_for_save`` copies any layer not seen, names the slots
+  and hands them to the store's write thread. The copy to the host is done before the step
+  returns, so vLLM may reuse the blocks at once: no block outlives its request for a save
+  (``request_finished`` never delays a free).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from tiered_kv.integrations.vllm.metadata import TieredKVMetadata
+from tiered_kv.integrations.vllm.tiers import ConnectorTiers, SaveCopy
+
+LAYER_WAIT_S = 600.0  # a layer's load is bounded by the store's own timeouts long before this
+
+
+class WorkerSide:
+    def __init__(self, tiers: ConnectorTiers, load_async: bool) -> None:
+        self.tiers = tiers
+        self.load_async = load_async
+        self._layer_of = {name: i for i, name in enumerate(tiers.layout.layer_names)}
+        self._async: dict[str, Future] = {}
+        self._errors: set[int] = set()
+        self._layer_events: list[threading.Event] = []
+        self._sync_load: Future | None = None
+        self._saves: list[SaveCopy] = []
+        self._writes: list[Future] = []
+
+    # -- loads ------------------------------------------------------------------------------
+    def start_load_kv(self, meta: TieredKVMetadata) -> None:
+        loads = [ld for ld in meta.loads if ld.blocks]
+        if self.load_async:
+            for ld in loads:
+                self._async[ld.req_id] = self.tiers.submit_load(ld.blocks, ld.digests)
+            for ld in meta.loads:
+                if not ld.blocks:  # nothing to copy: done now (vLLM waits for the id)
+                    done: Future = Future()
+                    done.set_result(set())
+                    self._async[ld.req_id] = done
+            return
+        self._layer_events = [threading.Event() for _ in self._layer_of]
+        if not loads:
+            for e in self._layer_events:
+                e.set()
+            self._sync_load = None
+            return
+        # One chain per request: a request's failure must not cut another's pages, so each is
+        # loaded on its own, in order, and a layer is announced once every load passed it.
+        events, passes = self._layer_events, [0] * len(self._layer_of)
+        lock = threading.Lock()
+
+        def on_layer(layer: int) -> None:
+            with lock:
+                passes[layer] += 1
+                if passes[layer] >= len(loads):
+                    events[layer].set()
+
+        def run() -> set[int]:
+            failed: set[int] = set()
+            for ld in loads:
+                seen: set[int] = set()
+
+                def once(layer: int, seen=seen) -> None:
+                    if layer not in seen:
+                        seen.add(layer)
+                        on_layer(layer)
+
+                failed |= self.tiers.load(ld.blocks, ld.digests, once)
+            return failed
+
+        self._sync_load = self.tiers.submit(run)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if self.load_async or layer is None or not self._layer_events:
+            return
+        # Hazard: this layer's attention reads the loaded blocks; their bytes must be in place.
+        self._layer_events[layer].wait(LAYER_WAIT_S)
+
+    def finish_step_loads(self) -> None:
+        """The step's layer-wise loads, waited for and their failures kept for vLLM."""
+        if self._sync_load is not None:
+            self._errors |= self._sync_load.result()
+            self._sync_load = None
+        self._layer_events = []
+
+    def get_finished(self) -> set[str]:
+        """Requests whose async load is done (their failed blocks joined ``load_errors``)."""
+        done = {r for r, f in self._async.items() if f.done()}
+        for req_id in done:
+            self._errors |= self._async.pop(req_id).result()
+        return done
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves ------------------------------------------------------------------------------
+    def begin_saves(self, meta: TieredKVMetadata) -> None:
+        blocks = [b for s in meta.saves for b in s.blocks]
+        digests = [d for s in meta.saves for d in s.digests]
+        self._saves = [self.tiers.begin_save(blocks, digests)] if blocks else []
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for save in self._saves:
+            self.tiers.copy_layer(save, layer)
+
+    def wait_for_save(self) -> None:
+        for save in self._saves:
+            future = self.tiers.finish_save(save)
+            if future is not None:
+                self._writes.append(future)
+        self._saves = []
+        self._writes = [f for f in self._writes if not f.done()]
+
+    def shutdown(self) -> None:
+        for f in list(self._async.values()) + self._writes:
+            f.result()
+        self.tiers.close()
