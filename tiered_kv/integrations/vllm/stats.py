@@ -30,6 +30,10 @@ HELP = {
     "copy_errors": "copies between vLLM's blocks and the host tier that failed",
     "loaded_bytes": "bytes loaded into vLLM's blocks",
     "saved_bytes": "bytes copied out of vLLM's blocks",
+    "store_read_us": "microseconds spent reading pages from the store into the host tier",
+    "load_copy_us": "microseconds spent copying host pages into vLLM's blocks",
+    "save_copy_us": "microseconds spent copying vLLM's blocks to host pages",
+    "store_write_us": "microseconds spent writing host pages to the store",
 }
 assert set(HELP) == set(TierCounters.NAMES)
 

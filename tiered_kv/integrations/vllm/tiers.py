@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 _LOG = LogLimiter(log)
 
 
+def _us(since: float) -> int:
+    return int((time.perf_counter() - since) * 1e6)
+
+
 class TierCounters:
     """Thread-safe event counts (blocks unless named otherwise), since the tiers opened."""
 
@@ -50,6 +55,7 @@ class TierCounters:
         "load_failed_blocks", "load_no_slot_blocks", "saved_blocks", "save_skipped_blocks",
         "save_present_blocks", "store_written_blocks", "store_write_failed_blocks",
         "copy_errors", "loaded_bytes", "saved_bytes",
+        "store_read_us", "load_copy_us", "save_copy_us", "store_write_us",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -154,7 +160,9 @@ class ConnectorTiers:
             try:
                 plan = self.pages.plan(good, pinned[:ok])
                 for layer in range(len(self.layout.layer_ids)):
+                    start = time.perf_counter()
                     self.pages.copy(plan, to_host=False, layers=[layer])
+                    self.counters.add(load_copy_us=_us(start))
                     if on_layer is not None:
                         on_layer(layer)
             except Exception as exc:  # noqa: BLE001 - a failed copy is a miss, never a crash
@@ -185,11 +193,13 @@ class ConnectorTiers:
                 break
             staged.append(slot)
         fetch = fetch[: len(staged)]
+        start = time.perf_counter()
         served = (
-            self.store.batch_get([self.keys([digests[i]])[0] for i in fetch], self.pages, staged)
+            self.store.batch_get(self.keys([digests[i] for i in fetch]), self.pages, staged)
             if fetch
             else []
         )
+        self.counters.add(store_read_us=_us(start))
         for i, slot, good in zip(fetch, staged, served, strict=True):
             if good:
                 self.slots.publish(slot, digests[i])
@@ -225,7 +235,9 @@ class ConnectorTiers:
     def copy_layer(self, save: SaveCopy, layer: int) -> None:
         """Blocks -> host slots for one layer position (once per layer)."""
         if layer not in save.layers_done and save.blocks:
+            start = time.perf_counter()
             self.pages.copy(save.plan, to_host=True, layers=[layer])
+            self.counters.add(save_copy_us=_us(start))
         save.layers_done.add(layer)
 
     def finish_save(self, save: SaveCopy) -> Future | None:
@@ -252,7 +264,9 @@ class ConnectorTiers:
 
     def _write(self, save: SaveCopy) -> None:
         try:
+            start = time.perf_counter()
             stored = self.store.batch_set(self.keys(save.digests), self.pages, save.slots)
+            self.counters.add(store_write_us=_us(start))
             n = sum(stored)
             self.counters.add(store_written_blocks=n, store_write_failed_blocks=len(stored) - n)
         finally:
