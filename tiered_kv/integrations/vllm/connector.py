@@ -20,7 +20,7 @@ layout with more than one worker per engine. Imports vLLM.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -38,6 +38,10 @@ from tiered_kv.integrations.vllm.settings import FLAG, read_settings
 from tiered_kv.integrations.vllm.stats import StatsDelta, TieredKVPromMetrics, TieredKVStats
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers
 from tiered_kv.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -90,7 +94,9 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config)
         check_engine(vllm_config, kv_cache_config, self.settings)

@@ -5,7 +5,7 @@ store, failed loads, saves, store writes, bytes). Imports vLLM."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -13,6 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from tiered_kv.integrations.vllm.tiers import TierCounters
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 PROM_PREFIX = "tiered_kv_vllm_"
 HELP = {
@@ -73,7 +76,13 @@ class StatsDelta:
 class TieredKVPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per tiers counter, labelled per engine like vLLM's own."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for name, text in HELP.items():
