@@ -100,7 +100,9 @@ def physical_order(view: torch.Tensor) -> str:
     ``BHNC``), when the view is dense; else InvalidArgumentError."""
     if view.dim() != 4:
         raise InvalidArgumentError(f"a layer's KV view has shape {tuple(view.shape)}; expected 4-D")
-    order = sorted(range(4), key=lambda d: (-view.stride(d), -d))
+    # Ties come only from size-1 axes (their stride is arbitrary): the logical order breaks
+    # them, so blocks stay outermost (a contiguous [B, 1, N, C] with one KV head per rank).
+    order = sorted(range(4), key=lambda d: (-view.stride(d), d))
     expect = 1
     for d in reversed(order):  # innermost first: each stride the product of those inside it
         if view.shape[d] != 1 and view.stride(d) != expect:

@@ -82,6 +82,7 @@ class SaveCopy:
     slots: list[int]
     plan: tuple
     layers_done: set[int] = field(default_factory=set)
+    failed: bool = False  # a layer's copy failed: nothing of this save is named
 
 
 class ConnectorTiers:
@@ -233,10 +234,17 @@ class ConnectorTiers:
         return SaveCopy(keep_b, keep_d, slots, self.pages.plan(keep_b, slots))
 
     def copy_layer(self, save: SaveCopy, layer: int) -> None:
-        """Blocks -> host slots for one layer position (once per layer)."""
-        if layer not in save.layers_done and save.blocks:
+        """Blocks -> host slots for one layer position (once per layer). A failed copy fails
+        the whole save (``finish_save`` frees its slots) and never raises: this runs inside
+        vLLM's forward (``save_kv_layer``), where a lost save must not cost the step."""
+        if layer not in save.layers_done and save.blocks and not save.failed:
             start = time.perf_counter()
-            self.pages.copy(save.plan, to_host=True, layers=[layer])
+            try:
+                self.pages.copy(save.plan, to_host=True, layers=[layer])
+            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+                save.failed = True
+                self.counters.add(copy_errors=1)
+                _LOG.log(logging.WARNING, "save-copy", "block -> host copy failed: %r", exc)
             self.counters.add(save_copy_us=_us(start))
         save.layers_done.add(layer)
 
@@ -246,12 +254,9 @@ class ConnectorTiers:
         nothing half-copied is ever named."""
         if not save.blocks:
             return None
-        try:
-            for layer in range(len(self.layout.layer_ids)):
-                self.copy_layer(save, layer)
-        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never a crash
-            self.counters.add(copy_errors=1)
-            _LOG.log(logging.WARNING, "save-copy", "block -> host copy failed: %r", exc)
+        for layer in range(len(self.layout.layer_ids)):
+            self.copy_layer(save, layer)
+        if save.failed:
             for slot in save.slots:
                 self.slots.unpin(slot)
             return None

@@ -1,0 +1,177 @@
+"""The two halves together over real tiers: the scheduler half's metadata drives the worker
+half's layer-wise saves and its async or layer-wise loads; a layer's blocks are in place when
+``wait_for_layer_load`` returns; a load that cannot be served is reported and saved again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tiered_kv.integrations.vllm.block_layout import describe_layers
+from tiered_kv.integrations.vllm.metadata import TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
+from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
+from tiered_kv.integrations.vllm.settings import read_settings
+from tiered_kv.integrations.vllm.tiers import ConnectorTiers
+from tiered_kv.integrations.vllm.worker_side import WorkerSide
+
+from ._kv import block_bytes, make_caches, page_bytes, refill_
+from ._sched import (
+    Blocks,
+    CachedReqs,
+    ConnectorOutput,
+    NewReq,
+    Request,
+    SchedulerOutput,
+    digests_of,
+    tokens,
+)
+
+NB, H, BS, D = 12, 2, 4, 6
+KIND = "LBNHC"
+
+
+class Pair:
+    def __init__(self, tmp_path, gen, load_async: bool) -> None:
+        self.gen = gen
+        caches, self.physical = make_caches(KIND, [0, 1, 2], NB, H, BS, D, gen)
+        self.layout = describe_layers(caches, NB)
+        settings = read_settings(
+            {
+                "model_id": "org/tiny@rev1",
+                "storage_path": str(tmp_path / "store"),
+                "storage_bytes": 64 << 20,
+                "host_bytes": 8 * self.layout.page_nbytes,
+                "load_mode": "async" if load_async else "layerwise",
+            }
+        )
+        self.tiers = ConnectorTiers(settings, self.layout, rank=None)
+        self.worker = WorkerSide(self.tiers, settings.load_async)
+        self.sched_tiers = SchedulerTiers(settings)
+        self.owned: dict[str, list[int]] = {}
+        self.sched = SchedulerSide(
+            BS, settings.load_async, self.sched_tiers.lookup, lambda r: self.owned.get(r, [])
+        )
+
+    def report(self) -> None:
+        self.tiers.drain()
+        meta = TieredKVWorkerMeta(
+            self.tiers.namespace, self.layout.page_nbytes, self.tiers.slots.take_changes()
+        )
+        self.sched_tiers.apply(meta)
+
+    def forward(self, meta) -> None:
+        """One step's forward as vLLM runs it: loads started, each layer waited for, computed
+        (here: nothing) and saved."""
+        self.worker.start_load_kv(meta)
+        self.worker.begin_saves(meta)
+        for name in self.layout.layer_names:
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name)
+        self.worker.wait_for_save()
+        self.worker.finish_step_loads()
+
+    def page(self, block):
+        return page_bytes(KIND, self.physical, block)
+
+    def close(self):
+        self.worker.shutdown()
+        self.sched_tiers.close()
+
+
+@pytest.fixture(params=[True, False], ids=["async", "layerwise"])
+def pair(request, tmp_path, gen):
+    p = Pair(tmp_path, gen, request.param)
+    yield p
+    p.close()
+
+
+def _finished(worker, req_id, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    done: set[str] = set()
+    while req_id not in done:
+        done |= worker.get_finished()
+        assert time.monotonic() < deadline, "an async load never finished"
+        time.sleep(0.001)
+    return done
+
+
+def test_saved_by_one_request_loaded_by_the_next(pair, gen):
+    p = pair
+    a = Request("a", tokens(gen, 3 * BS + 1))
+    d = digests_of(a, BS)
+    assert p.sched.get_num_new_matched_tokens(a, 0) == (0, False)  # no worker report yet
+    p.owned["a"] = [3, 7, 5, 1]
+    meta = p.sched.build_connector_meta(
+        SchedulerOutput([NewReq("a", 0)], num_scheduled_tokens={"a": 3 * BS + 1})
+    )
+    assert [s.blocks for s in meta.saves] == [[3, 7, 5]]
+    want = [p.page(b) for b in (3, 7, 5)]
+    p.forward(meta)
+    p.report()
+
+    b = Request("b", list(a.all_token_ids) + tokens(gen, 2))
+    assert p.sched.get_num_new_matched_tokens(b, 0) == (3 * BS, p.worker.load_async)
+    p.owned["b"] = [8, 2, 10, 4]
+    p.sched.update_state_after_alloc(b, Blocks(p.owned["b"]), 3 * BS)
+    refill_(p.physical, gen)
+    meta = p.sched.build_connector_meta(SchedulerOutput())
+    assert [ld.blocks for ld in meta.loads] == [[8, 2, 10]]
+    assert [ld.digests for ld in meta.loads] == [d[:3]]
+    if p.worker.load_async:
+        p.worker.start_load_kv(meta)
+        _finished(p.worker, "b")
+    else:
+        p.worker.start_load_kv(meta)
+        for li, name in enumerate(p.layout.layer_names):
+            p.worker.wait_for_layer_load(name)
+            # the hazard: this layer's attention reads the blocks now
+            layer = p.physical[p.layout.layer_ids[li]]
+            for t, w in zip([8, 2, 10], want, strict=True):
+                n = w.numel() // len(p.layout.layer_ids)
+                assert torch.equal(block_bytes(KIND, layer, t)[0], w[li * n : (li + 1) * n])
+        p.worker.finish_step_loads()
+    assert p.worker.load_errors() == set()
+    for t, w in zip([8, 2, 10], want, strict=True):
+        assert torch.equal(p.page(t), w)
+
+
+def test_a_lost_page_is_reported_and_saved_again(pair, gen):
+    p = pair
+    a = Request("a", tokens(gen, 4 * BS + 1))
+    d = digests_of(a, BS)
+    assert p.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    p.owned["a"] = [1, 2, 3, 4, 5]
+    p.forward(
+        p.sched.build_connector_meta(
+            SchedulerOutput([NewReq("a", 0)], num_scheduled_tokens={"a": 4 * BS + 1})
+        )
+    )
+    p.report()
+    b = Request("b", list(a.all_token_ids))
+    assert p.sched.get_num_new_matched_tokens(b, 0) == (4 * BS, p.worker.load_async)
+    # the page of block 2 leaves both tiers after the lookup
+    p.tiers.store.delete(p.tiers.keys(d[1:2]))
+    slot = p.tiers.slots.pin_cached(d[1])
+    p.tiers.slots.forget(slot)
+    p.tiers.slots.unpin(slot)
+    p.owned["b"] = [9, 6, 11, 7, 10]
+    p.sched.update_state_after_alloc(b, Blocks(p.owned["b"]), 4 * BS)
+    meta = p.sched.build_connector_meta(SchedulerOutput())
+    if p.worker.load_async:
+        p.worker.start_load_kv(meta)
+        _finished(p.worker, "b")
+    else:
+        p.forward(meta)
+    bad = p.worker.load_errors()
+    assert bad == {6, 11, 7}
+    p.sched.update_connector_output(ConnectorOutput(invalid_block_ids=bad, finished_recving={"b"}))
+    # vLLM recomputes from block 6 on; those blocks are saved again
+    again = p.sched.build_connector_meta(
+        SchedulerOutput(
+            scheduled_cached_reqs=CachedReqs(["b"], [BS]), num_scheduled_tokens={"b": 3 * BS + 1}
+        )
+    )
+    assert [(s.blocks, s.digests) for s in again.saves] == [([6, 11, 7], d[1:4])]
