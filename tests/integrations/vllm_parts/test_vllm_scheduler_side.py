@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiered_kv.errors import StorageOpenError
+from tiered_kv.errors import StateError, StorageOpenError
 from tiered_kv.integrations.vllm.block_layout import describe_layers
 from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide, request_identity
@@ -155,7 +155,12 @@ def test_the_null_block_is_never_saved_or_loaded(gen):
     req = Request("r", tokens(gen, 3 * BS + 1))
     tiers.store.update(digests_of(req, BS)[:2])
     assert side.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    side.update_state_after_alloc(req, Blocks([0, 5, 6, 7]), 2 * BS)
+    # vLLM was told 2 blocks are external: a load into the null block can be neither skipped
+    # (the request would wait for ever, or read unfilled blocks) nor done; it is refused loudly
+    with pytest.raises(StateError, match="null"):
+        side.update_state_after_alloc(req, Blocks([0, 5, 6, 7]), 2 * BS)
+    # without external tokens nothing is loaded, and the null block is never saved
+    side.update_state_after_alloc(req, Blocks([0, 5, 6, 7]), 0)
     owned["r"] = [0, 5, 6, 7]
     metas = [side.build_connector_meta(_new("r", 0, 3 * BS + 1))]
     req.all_token_ids += [1, 2, 3]

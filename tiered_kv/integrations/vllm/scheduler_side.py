@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tiered_kv.errors import StateError
 from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
 from tiered_kv.storage.keys import extra_key_prior, page_digests
 
@@ -127,7 +128,14 @@ class SchedulerSide:
         end = min(end, start + num_external_tokens // self.block_size)
         ids = list(blocks.get_block_ids()[0])
         if len(ids) < end or NULL_BLOCK in ids[start:end]:
-            return
+            # vLLM was told these tokens are external: skipping the load would leave it
+            # waiting for ever (async) or reading unfilled blocks (layer-wise). Full attention
+            # and MLA (the only specs check_engine admits) always hold real blocks here.
+            raise StateError(
+                f"request {request.request_id}: blocks {ids[start:end]} for external tokens "
+                f"{start * self.block_size}..{end * self.block_size} are missing or vLLM's null "
+                "block; the KV cache spec must keep every block of the prefix"
+            )
         load = BlockPages(request.request_id, ids[start:end], t.digests[start:end])
         self._loads[request.request_id] = load
         t.lookup = None

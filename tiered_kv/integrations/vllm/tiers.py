@@ -154,9 +154,9 @@ class ConnectorTiers:
         failure and every block after it). ``on_layer(l)`` runs after layer position ``l`` is
         in place (every layer is announced, also when nothing could be loaded)."""
         pinned: list[int] = []
-        ok = 0
+        ok = fetched = 0
         try:
-            ok, pinned = self._to_host(list(digests))
+            ok, pinned, fetched = self._to_host(list(digests))
             good = list(blocks[:ok])
             try:
                 plan = self.pages.plan(good, pinned[:ok])
@@ -169,8 +169,12 @@ class ConnectorTiers:
             except Exception as exc:  # noqa: BLE001 - a failed copy is a miss, never a crash
                 self.counters.add(copy_errors=1)
                 _LOG.log(logging.WARNING, "load-copy", "host -> block copy failed: %r", exc)
-                ok = 0
-            self.counters.add(loaded_bytes=ok * self.layout.page_nbytes)
+                ok = fetched = 0
+            self.counters.add(
+                loaded_bytes=ok * self.layout.page_nbytes,
+                loaded_host_blocks=ok - fetched,
+                loaded_store_blocks=fetched,
+            )
         finally:
             for slot in pinned:
                 self.slots.unpin(slot)
@@ -181,9 +185,10 @@ class ConnectorTiers:
         self.counters.add(load_failed_blocks=len(failed))
         return failed
 
-    def _to_host(self, digests: list[bytes]) -> tuple[int, list[int]]:
+    def _to_host(self, digests: list[bytes]) -> tuple[int, list[int], int]:
         """Pin a host slot holding each page, fetching misses from the store: (how many from
-        the start are on the host now, the pinned slots in chain order)."""
+        the start are on the host now, the pinned slots in chain order, how many of those
+        leading pages came from the store)."""
         slots: list[int | None] = [self.slots.pin_cached(d) for d in digests]
         fetch = [i for i, s in enumerate(slots) if s is None]
         staged: list[int] = []
@@ -211,8 +216,7 @@ class ConnectorTiers:
         while ok < len(slots) and slots[ok] is not None:
             ok += 1
         fetched = sum(1 for i in fetch if i < ok)
-        self.counters.add(loaded_host_blocks=ok - fetched, loaded_store_blocks=fetched)
-        return ok, [s for s in slots if s is not None]
+        return ok, [s for s in slots if s is not None], fetched
 
     # -- saves ------------------------------------------------------------------------------
     def begin_save(self, blocks: Sequence[int], digests: Sequence[bytes]) -> SaveCopy:
