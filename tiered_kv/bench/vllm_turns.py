@@ -1,0 +1,386 @@
+"""vLLM's CPU engine on a multi-turn long-prefix workload, with and without tiered_kv's connector,
+one engine process per configuration, all in one run (``benchmarks/bench_vllm.py``).
+
+The workload: ``conversations`` conversations, each opening with one shared system prompt and
+a context of its own; every later turn's prompt is the previous turn's prompt, its output and
+``user_tokens`` new tokens (random ids, fixed by the seed). Every turn is one batch of all the
+conversations (``LLM.generate``), greedy, ``output_tokens`` tokens each (EOS ignored). The
+configurations (``CONFIGS``):
+
+- ``a recompute``: vLLM alone, prefix caching off: every turn computes its whole prompt;
+- ``b vllm-pc``: vLLM's own prefix caching (hits resident in its KV cache);
+- ``c tiered``: the connector, vLLM's prefix caching off: every hit is loaded from tiered_kv's
+  host tier (or its store);
+- ``d restart`` / ``d restart+pc``: a new engine process over a copy of ``c``'s store as ``c``
+  left it (its host tier and vLLM's cache empty), prefix caching off / on, continuing ``c``'s
+  conversations for ``restart_turns`` more turns: its first turn's prefixes can only come from
+  the store. ``a`` and ``b`` run those turns too (``turns + restart_turns`` in all), ``c`` stops
+  at ``turns``.
+
+Per configuration and turn: TTFT p50 / p99 (vLLM's per-request ``first_token_latency``, arrival
+to first token, so a batch's later requests wait for its earlier prefills; p99 is nearest rank,
+the slowest request below 100), prefill tokens computed (prompt tokens minus
+``num_cached_tokens``), the tokens hit (vLLM's ``num_cached_tokens``: its own cache's and the
+connector's), the blocks the connector loaded from its host tier and from its store, output
+tokens per second of the turn's wall time.
+
+The connector's cost per block is its timing counters over its block counters in each connector
+engine: store read per block loaded from the store, host -> block copy per block loaded,
+block -> host copy per block saved, store write per page written. vLLM's own prefill cost per
+block is measured in ``a``'s engine after its turns: single prompts of ``calibrate_lengths``
+tokens, one at a time, one output token each, ``calibrate_repeats`` times; the marginal cost is
+the least-squares slope of median TTFT over prompt length (times the block size), the mean
+cost the longest prompt's median TTFT over its blocks. Counters come from the engine's
+Prometheus registry (``vllm_engine``).
+
+The whole sequence runs ``rounds`` times (fresh engines and stores each round); a row is the
+median over rounds of each figure, a cost the median of the rounds' costs, and the calibration
+pools every round's samples: on a shared machine a neighbour can slow one engine's run several
+times over, and an engine process cannot be interleaved with another."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import statistics
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiered_kv.bench import machine
+from tiered_kv.bench.timing import median, nearest_rank
+from tiered_kv.bench.vllm_engine import follow, run_engine
+
+FIRST_ID = 3  # below: <s>, </s>, <pad>
+HOST_BYTES = 256 << 20
+STORE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The conversations' shape; ``turns`` before the restart, ``restart_turns`` after it."""
+
+    conversations: int = 8
+    system_tokens: int = 512
+    context_tokens: int = 384
+    user_tokens: int = 96
+    output_tokens: int = 32
+    turns: int = 4
+    restart_turns: int = 2
+    block_size: int = 32
+    vocab: int = 512
+    seed: int = 1
+
+    @property
+    def all_turns(self) -> int:
+        return self.turns + self.restart_turns
+
+    def max_model_len(self) -> int:
+        longest = self.system_tokens + self.context_tokens + self.all_turns * self.output_tokens
+        longest += (self.all_turns - 1) * self.user_tokens
+        return -(-longest // self.block_size) * self.block_size
+
+    def tokens(self) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """(first-turn prompts, appends[turn][conversation]) with appends[0] empty."""
+        rng = random.Random(self.seed)
+
+        def draw(n: int) -> list[int]:
+            return [rng.randrange(FIRST_ID, self.vocab) for _ in range(n)]
+
+        system = draw(self.system_tokens)
+        first = [system + draw(self.context_tokens) for _ in range(self.conversations)]
+        appends = [[]] + [
+            [draw(self.user_tokens) for _ in range(self.conversations)]
+            for _ in range(1, self.all_turns)
+        ]
+        return first, appends
+
+
+@dataclass(frozen=True)
+class Config:
+    """One engine: with the connector or not, vLLM's prefix caching on or off, a restart."""
+
+    name: str
+    connector: bool
+    prefix_caching: bool
+    restart: bool = False
+
+
+CONFIGS = (
+    Config("a recompute", False, False),
+    Config("b vllm-pc", False, True),
+    Config("c tiered", True, False),
+    Config("d restart", True, False, restart=True),
+    Config("d restart+pc", True, True, restart=True),
+)
+
+
+@dataclass
+class TurnRow:
+    """One configuration's turn (1-based, counted across the restart)."""
+
+    config: str
+    turn: int
+    requests: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    prompt_tokens: int
+    prefill_tokens: int
+    hit_tokens: int
+    host_blocks: int
+    store_blocks: int
+    output_tokens: int
+    out_tok_s: float
+    wall_s: float
+
+
+@dataclass
+class CostRow:
+    """The connector's microseconds per block of one op, and vLLM's prefill per block over it."""
+
+    config: str
+    op: str
+    blocks: int
+    us_per_block: float | None
+    prefill_over_cost: float | None
+
+
+@dataclass
+class PrefillCost:
+    """vLLM's own prefill cost per block, from single requests of several prompt lengths."""
+
+    lengths: list[int]
+    median_ttft_ms: list[float]
+    marginal_us_per_block: float
+    mean_us_per_block: float
+
+
+@dataclass
+class VllmResult:
+    rows: list[TurnRow]
+    costs: list[CostRow]
+    prefill: PrefillCost | None
+    engines: dict[str, dict] = field(default_factory=dict)
+    loads: dict = field(default_factory=dict)
+    rounds: int = 1
+    per_round: list[TurnRow] = field(default_factory=list)
+
+
+def kv_config(store: Path, model_id: str) -> dict:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_connector_module_path": "tiered_kv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "model_id": model_id, "storage_path": str(store), "storage_bytes": STORE_BYTES,
+            "host_bytes": HOST_BYTES,
+        },
+    }  # fmt: skip
+
+
+def _turn_specs(w: Workload, first: list, appends: list, start: int, stop: int) -> list[list]:
+    """Turns ``start``..``stop - 1`` (0-based), the first given as ``first`` prompts."""
+    specs = [first]
+    for t in range(start + 1, stop):
+        specs.append([follow(t - start - 1, i, appends[t][i]) for i in range(w.conversations)])
+    return specs
+
+
+def turn_row(config: str, turn: int, result: dict, before: dict) -> TurnRow:
+    outs, after = result["outputs"], result["counters"]
+    ttfts = [o["ttft_s"] * 1e3 for o in outs]
+    prompt = sum(len(o["prompt_token_ids"]) for o in outs)
+    hit = sum(o["num_cached_tokens"] for o in outs)
+    output = sum(len(o["token_ids"]) for o in outs)
+
+    def delta(name: str) -> int:
+        return int(after.get(name, 0) - before.get(name, 0))
+
+    return TurnRow(
+        config, turn, len(outs), median(ttfts), nearest_rank(ttfts, 0.99), prompt, prompt - hit,
+        hit, delta("loaded_host_blocks"), delta("loaded_store_blocks"), output,
+        output / result["wall_s"], result["wall_s"],
+    )  # fmt: skip
+
+
+def prefill_cost(calibrate: Sequence[dict], block_size: int) -> PrefillCost | None:
+    by_len: dict[int, list[float]] = {}
+    for c in calibrate:
+        by_len.setdefault(c["prompt_tokens"], []).append(c["ttft_s"])
+    if len(by_len) < 2:
+        return None
+    lengths = sorted(by_len)
+    ttft = [median(by_len[n]) for n in lengths]
+    slope, _ = statistics.linear_regression(lengths, ttft)
+    return PrefillCost(
+        lengths, [t * 1e3 for t in ttft], slope * block_size * 1e6,
+        ttft[-1] / (lengths[-1] / block_size) * 1e6,
+    )  # fmt: skip
+
+
+COST_OPS = (  # (op, timing counters, block counters)
+    ("store read", ("store_read_us",), ("loaded_store_blocks",)),
+    ("host->block copy", ("load_copy_us",), ("loaded_host_blocks", "loaded_store_blocks")),
+    ("block->host copy", ("save_copy_us",), ("saved_blocks",)),
+    ("store write", ("store_write_us",), ("store_written_blocks", "store_write_failed_blocks")),
+)
+
+
+COMBINED = (("load from store", "store read", "host->block copy"),
+            ("save", "block->host copy", "store write"))  # fmt: skip
+
+
+def cost_rows(config: str, counters: dict) -> list[CostRow]:
+    """The connector's microseconds per block for each op that moved a block (no ratio)."""
+    rows = []
+    for op, times, blocks in COST_OPS:
+        n = int(sum(counters.get(b, 0) for b in blocks))
+        if n:
+            rows.append(CostRow(config, op, n, sum(counters.get(t, 0) for t in times) / n, None))
+    return rows
+
+
+def with_ratios(rows: Sequence[CostRow], prefill_us: float | None) -> list[CostRow]:
+    """``rows`` and each config's combined ops (``COMBINED``: the sum of its parts' costs per
+    block, over the blocks of the first), each with vLLM's prefill per block over its cost."""
+    out, by = list(rows), {(r.config, r.op): r for r in rows}
+    for config in dict.fromkeys(r.config for r in rows):
+        for op, first, second in COMBINED:
+            a, b = by.get((config, first)), by.get((config, second))
+            if a is not None and b is not None:
+                out.append(CostRow(config, op, a.blocks, a.us_per_block + b.us_per_block, None))
+    for r in out:
+        if prefill_us is not None and r.us_per_block and r.us_per_block > 0:
+            r.prefill_over_cost = prefill_us / r.us_per_block
+    order = [c.name for c in CONFIGS]
+    return sorted(out, key=lambda r: order.index(r.config))
+
+
+def _run_config(cfg, w, model_dir, round_dir: Path, c_result, *, model_id, **engine) -> dict:
+    """One configuration's engine (a restart continues ``c_result``'s conversations)."""
+    first, appends = w.tokens()
+    store = round_dir / ("store-" + cfg.name.replace(" ", "-").replace("+", "-"))
+    if cfg.restart:
+        start = [o["prompt_token_ids"] + o["token_ids"] + appends[w.turns][i]
+                 for i, o in enumerate(c_result["turns"][-1]["outputs"])]  # fmt: skip
+        specs = _turn_specs(w, start, appends, w.turns, w.all_turns)
+        shutil.copytree(round_dir / "store-c-tiered", store)
+    else:
+        specs = _turn_specs(w, first, appends, 0, w.turns if cfg.connector else w.all_turns)
+    return run_engine(
+        model_dir, specs, max_tokens=w.output_tokens, block_size=w.block_size,
+        kv_transfer_config=kv_config(store, model_id) if cfg.connector else None,
+        enable_prefix_caching=cfg.prefix_caching,
+        log_path=round_dir / (store.name.removeprefix("store-") + ".log"), **engine,
+    )  # fmt: skip
+
+
+def _round(w, model_dir, round_dir: Path, calibrate, parallel: bool, engine: dict, say):
+    """One round: every configuration's engine result and the load average at its start."""
+    results: dict[str, dict] = {}
+    loads: dict[str, tuple | None] = {}
+
+    def run(cfg: Config) -> None:
+        loads[cfg.name] = machine.load_average()
+        say(f"{round_dir.name}: {cfg.name} (load average {loads[cfg.name]})")
+        results[cfg.name] = _run_config(
+            cfg, w, model_dir, round_dir, results.get("c tiered"),
+            calibrate=calibrate if cfg.name == "a recompute" else (), **engine,
+        )  # fmt: skip
+
+    if parallel:  # the restarts after the rest: they copy c's store
+        for wave in ([c for c in CONFIGS if not c.restart], [c for c in CONFIGS if c.restart]):
+            with ThreadPoolExecutor(len(wave)) as pool:
+                list(pool.map(run, wave))
+    else:
+        for cfg in CONFIGS:
+            run(cfg)
+    return results, loads
+
+
+def _median_rows(rows: Sequence, key: Callable, make: Callable) -> list:
+    """Rows grouped by ``key`` (in first-seen order), each field the median over the group."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return [make(k, g) for k, g in groups.items()]
+
+
+def _median_turn(key, group: list[TurnRow]) -> TurnRow:
+    nums = {f: median([getattr(r, f) for r in group]) for f in TurnRow.__dataclass_fields__
+            if f not in ("config", "turn")}  # fmt: skip
+    ints = ("requests", "prompt_tokens", "prefill_tokens", "hit_tokens", "host_blocks",
+            "store_blocks", "output_tokens")  # fmt: skip
+    return TurnRow(*key, **{f: round(v) if f in ints else v for f, v in nums.items()})
+
+
+def measure_vllm(
+    model_dir: str | Path,
+    workload: Workload,
+    *,
+    workdir: str | Path,
+    model_id: str,
+    rounds: int = 1,
+    calibrate_lengths: Sequence[int] = (128, 256, 512, 768, 1024),
+    calibrate_repeats: int = 3,
+    multiprocessing: bool = False,
+    timeout: float = 600.0,
+    parallel: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> VllmResult:
+    """``rounds`` rounds of every configuration of ``CONFIGS``, each in its own engine process,
+    one after another; a row is the median over rounds (``per_round`` keeps each).
+    ``parallel`` runs the engines of a round at once (the restarts after the rest), for tests:
+    their timings then measure each other."""
+    say = progress or (lambda _msg: None)
+    w, work = workload, Path(workdir)
+    rng = random.Random(f"{w.seed}:calibrate")
+    calibrate = [
+        [rng.randrange(FIRST_ID, w.vocab) for _ in range(n)]
+        for _ in range(calibrate_repeats)
+        for n in calibrate_lengths
+    ]
+    longest = max(w.max_model_len(), max(calibrate_lengths, default=0) + 1)
+    engine = {"max_model_len": -(-longest // w.block_size) * w.block_size, "model_id": model_id,
+              "multiprocessing": multiprocessing, "timeout": timeout}  # fmt: skip
+    watch = machine.LoadWatch()
+    rows: list[TurnRow] = []
+    costs: list[CostRow] = []
+    samples: list[dict] = []
+    engines: dict[str, dict] = {}
+    for n in range(rounds):
+        round_dir = work / f"round{n + 1}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        results, loads = _round(w, model_dir, round_dir, calibrate, parallel, engine, say)
+        for cfg in CONFIGS:
+            result = results[cfg.name]
+            before: dict = {}
+            offset = w.turns if cfg.restart else 0
+            for t, turn in enumerate(result["turns"]):
+                rows.append(turn_row(cfg.name, offset + t + 1, turn, before))
+                before = turn["counters"]
+            if cfg.connector:
+                costs += cost_rows(cfg.name, result["final_counters"])
+            samples += result["calibrate"]
+            engines[f"{cfg.name} #{n + 1}"] = {
+                "startup_s": result["startup_s"], "torch_threads": result["torch_threads"],
+                "load_before": loads[cfg.name], "final_counters": result["final_counters"],
+            }  # fmt: skip
+    prefill = prefill_cost(samples, w.block_size)
+    prefill_us = prefill.marginal_us_per_block if prefill else None
+
+    def median_cost(key, group: list[CostRow]) -> CostRow:
+        blocks = round(median([r.blocks for r in group]))
+        return CostRow(*key, blocks, median([r.us_per_block for r in group]), None)
+
+    order = [c.name for c in CONFIGS]
+    by_turn = _median_rows(rows, lambda r: (r.config, r.turn), _median_turn)
+    by_turn.sort(key=lambda r: (r.turn, order.index(r.config)))
+    return VllmResult(
+        by_turn,
+        with_ratios(_median_rows(costs, lambda r: (r.config, r.op), median_cost), prefill_us),
+        prefill,
+        engines, watch.finish(), rounds, rows,
+    )  # fmt: skip
