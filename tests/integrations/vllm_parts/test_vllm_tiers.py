@@ -158,6 +158,9 @@ def test_one_page_saved_twice_in_one_step_is_kept_once(engine, gen):
     e.save([2, 4], [d, d])
     assert e.tiers.slots.counts() == dict(slots=3, cached=1, pinned=0, free=2, evictions=0)
     assert e.tiers.store.stats().pages == 1
+    c = e.tiers.counters.snapshot()  # copied and written once, not once per request
+    assert c["saved_blocks"] == 1 and c["save_present_blocks"] == 1
+    assert c["store_written_blocks"] == 1
     refill_(e.physical, gen)
     assert e.tiers.load([9], [d]) == set()
     assert torch.equal(e.page(9), want)

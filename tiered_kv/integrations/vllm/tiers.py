@@ -220,17 +220,21 @@ class ConnectorTiers:
 
     # -- saves ------------------------------------------------------------------------------
     def begin_save(self, blocks: Sequence[int], digests: Sequence[bytes]) -> SaveCopy:
-        """Host slots for the pages of ``blocks`` not cached on the host yet (pinned)."""
+        """Host slots for the pages of ``blocks`` not cached on the host yet (pinned). A page
+        several requests of one step computed (a shared prefix first seen together) is copied
+        and written once."""
         keep_b, keep_d, slots = [], [], []
         present = skipped = 0
+        taken: set[bytes] = set()
         for b, d in zip(blocks, digests, strict=True):
-            if self.slots.lookup([d]):
+            if d in taken or self.slots.lookup([d]):
                 present += 1
                 continue
             slot = self.slots.take()
             if slot is None:
                 skipped += 1
                 continue
+            taken.add(d)
             keep_b.append(b)
             keep_d.append(d)
             slots.append(slot)
