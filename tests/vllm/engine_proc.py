@@ -14,7 +14,13 @@ Outputs are greedy (temperature 0) and ignore EOS by default, so every request g
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker run in the child itself, which starts
 in about half the time (~12 s vs ~30 s here). ``multiprocessing=True`` is vLLM's CPU default: an
 engine-core process and a worker process, so a connector's scheduler side and worker side live
-in different processes; run a connector under it at least once."""
+in different processes; run a connector under it at least once.
+
+``between_turns=fn`` lets the parent act between turns (kill a store, damage it): the child
+writes ``<dir>/turn<k>.done`` (turn ``k``'s result) after each turn but the last and waits for
+``<dir>/turn<k>.go``; ``run_turns`` calls ``fn(k, turn_result)`` in between. A turn's
+``connector`` is the ``tiered_kv_vllm_*`` counters (without the prefix) after it: the
+connector's stats as vLLM's stat logger saw them."""
 
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +97,7 @@ def run_turns(
     env: dict | None = None,
     timeout: float = 300.0,
     log_path: str | Path | None = None,
+    between_turns: Callable[[int, dict], None] | None = None,
 ) -> dict:
     """Run ``turns`` (lists of token-id prompts or ``follow(...)``) in one child engine.
 
@@ -99,8 +106,10 @@ def run_turns(
     "metrics"}`` (vLLM's per-request stats, e.g. ``first_token_latency``), and a turn's
     ``metrics`` is the engine's counters after it (``{"vllm:prefix_cache_hits": n, ...}``, a
     label other than model/engine in braces, a histogram as ``{"count", "sum"}``).
-    ``engine_args`` go to ``vllm.LLM`` last. Raises ``EngineProcError`` (with the child's log) if
-    it fails or runs past ``timeout`` seconds, after killing it and its children."""
+    ``engine_args`` go to ``vllm.LLM`` last; ``between_turns(k, turn_k_result)`` runs in the
+    parent after turn ``k`` (all but the last), while the child waits. Raises
+    ``EngineProcError`` (with the child's log) if it fails or runs past ``timeout`` seconds,
+    after killing it and its children."""
     spec = {
         "model": str(model_dir),
         "turns": [[p if isinstance(p, dict) else list(p) for p in turn] for turn in turns],
@@ -110,10 +119,16 @@ def run_turns(
         "block_size": block_size,
         "ignore_eos": ignore_eos,
         "engine_args": engine_args or {},
+        "handshake_dir": None,
     }
     with tempfile.TemporaryDirectory(prefix="vllm_proc_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         log = Path(log_path) if log_path else Path(tmp) / "engine.log"
+        handshake = None
+        if between_turns is not None:
+            handshake = Path(tmp) / "turns"
+            handshake.mkdir()
+            spec["handshake_dir"] = str(handshake)
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)]
         with open(log, "wb") as log_file:
@@ -125,7 +140,7 @@ def run_turns(
                 start_new_session=True,
             )
             try:
-                rc = proc.wait(timeout=timeout)
+                rc = _wait_turns(proc, timeout, handshake, len(spec["turns"]), between_turns)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 proc.wait(timeout=30)
@@ -137,6 +152,31 @@ def run_turns(
         if rc != 0 or not out_path.exists():
             raise EngineProcError(f"the vLLM child exited with {rc}; its log:\n{_tail(log)}")
         return json.loads(out_path.read_text())
+
+
+def _wait_turns(
+    proc: subprocess.Popen,
+    timeout: float,
+    handshake: Path | None,
+    num_turns: int,
+    between_turns: Callable[[int, dict], None] | None,
+) -> int:
+    """``proc.wait(timeout)``, answering the child's turn handshakes meanwhile."""
+    if handshake is None or between_turns is None:
+        return proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    turn = 0
+    while True:
+        try:
+            return proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise
+        done = handshake / f"turn{turn}.done"
+        if turn < num_turns - 1 and done.exists():
+            between_turns(turn, json.loads(done.read_text()))
+            (handshake / f"turn{turn}.go").write_text("")
+            turn += 1
 
 
 def run_offline(model_dir: str | Path, prompts: Sequence[Sequence[int]], **kwargs) -> dict:
@@ -308,6 +348,39 @@ def _request_stats(stats) -> dict | None:
     return {f: getattr(stats, f) for f in fields if hasattr(stats, f)}
 
 
+PROM_PREFIX = "tiered_kv_vllm_"
+
+
+def _connector_counters() -> dict:
+    """The connector's Prometheus counters in this process (summed over engines), by name
+    without the prefix (vLLM's ``get_metrics`` reads ``vllm:`` names only)."""
+    from prometheus_client import REGISTRY
+
+    out: dict = {}
+    for metric in REGISTRY.collect():
+        if metric.type != "counter" or not metric.name.startswith(PROM_PREFIX):
+            continue
+        name = metric.name[len(PROM_PREFIX) :]
+        for sample in metric.samples:
+            if sample.name == metric.name + "_total":
+                out[name] = out.get(name, 0) + sample.value
+    return out
+
+
+def _handshake(spec: dict, k: int, turn: dict) -> None:
+    """After turn ``k`` (not the last): ``turn<k>.done`` holds its result; wait for ``.go``."""
+    where = spec.get("handshake_dir")
+    if where is None or k >= len(spec["turns"]) - 1:
+        return
+    done = Path(where) / f"turn{k}.done"
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(turn, default=str))
+    tmp.rename(done)
+    go = Path(where) / f"turn{k}.go"
+    while not go.exists():  # the parent's timeout bounds this wait
+        time.sleep(0.05)
+
+
 def _child(spec_path: str, out_path: str) -> None:
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -359,8 +432,14 @@ def _child(spec_path: str, out_path: str) -> None:
             for prompt, o in zip(prompts, outs, strict=True)
         ]
         turns.append(
-            {"outputs": outputs, "wall_s": wall, "metrics": _flat_metrics(llm.get_metrics())}
+            {
+                "outputs": outputs,
+                "wall_s": wall,
+                "metrics": _flat_metrics(llm.get_metrics()),
+                "connector": _connector_counters(),
+            }
         )
+        _handshake(spec, len(turns) - 1, turns[-1])
     result = {"turns": turns, "import_s": imported - start, "startup_s": ready - imported}
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, default=str))
