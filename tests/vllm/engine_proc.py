@@ -39,28 +39,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# Nothing is downloaded; the CPU KV cache is sized in GiB (1 is a million tokens of the tiny
-# model; vLLM's default is a share of RAM). The host IP is the loopback: `make test` runs in a
-# namespace where nothing else is up. Usage stats would try the network.
-ENGINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
+from tiered_kv.bench.vllm_engine import ENGINE_ENV, kill_group, log_tail
+from tiered_kv.bench.vllm_engine import follow as follow  # part of this helper's API
+
 MAX_MODEL_LEN = 1024
-LOG_TAIL = 4000
 
 
 class EngineProcError(RuntimeError):
     """A child engine failed, timed out, or never became healthy; the message ends with its log."""
-
-
-def follow(turn: int, index: int, append: Sequence[int] = ()) -> dict:
-    """A prompt for a later turn: request ``index`` of ``turn``'s prompt + output + ``append``."""
-    return {"follow": [turn, index], "append": list(append)}
 
 
 def _env(extra: dict | None, multiprocessing: bool | None) -> dict:
@@ -68,19 +54,6 @@ def _env(extra: dict | None, multiprocessing: bool | None) -> dict:
     if multiprocessing is not None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     return {**env, **(extra or {})}
-
-
-def _tail(log_path: Path) -> str:
-    try:
-        return log_path.read_text(errors="replace")[-LOG_TAIL:]
-    except OSError:
-        return "(no log)"
-
-
-def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal the child's process group (it leads one: vLLM's own children are in it too)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def run_turns(
@@ -142,15 +115,15 @@ def run_turns(
             try:
                 rc = _wait_turns(proc, timeout, handshake, len(spec["turns"]), between_turns)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 proc.wait(timeout=30)
                 raise EngineProcError(
-                    f"the vLLM child ran past timeout={timeout}s; its log:\n{_tail(log)}"
+                    f"the vLLM child ran past timeout={timeout}s; its log:\n{log_tail(log)}"
                 ) from None
             finally:
-                _kill_group(proc)  # anything of vLLM's left behind after the child exited
+                kill_group(proc)  # anything of vLLM's left behind after the child exited
         if rc != 0 or not out_path.exists():
-            raise EngineProcError(f"the vLLM child exited with {rc}; its log:\n{_tail(log)}")
+            raise EngineProcError(f"the vLLM child exited with {rc}; its log:\n{log_tail(log)}")
         return json.loads(out_path.read_text())
 
 
@@ -296,12 +269,12 @@ def start_server(
             _wait_healthy(proc, url, startup_timeout, log_path)
             yield Server(url, port, "tiny", log_path)
         finally:
-            _kill_group(proc, signal.SIGTERM)
+            kill_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait(timeout=30)
 
 
@@ -311,14 +284,14 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pa
         if proc.poll() is not None:
             raise EngineProcError(
                 f"the vLLM server exited with {proc.returncode} before it was healthy; "
-                f"its log:\n{_tail(log_path)}"
+                f"its log:\n{log_tail(log_path)}"
             )
         with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
             _http(f"{url}/health", timeout=2.0)
             return
         time.sleep(0.5)
     raise EngineProcError(
-        f"the vLLM server at {url} was not healthy after {timeout}s; its log:\n{_tail(log_path)}"
+        f"the vLLM server at {url} was not healthy after {timeout}s; its log:\n{log_tail(log_path)}"
     )
 
 

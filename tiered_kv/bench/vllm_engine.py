@@ -14,8 +14,9 @@ A last one-token request shorter than a block (``flush``) makes the engine step 
 the turns, so that counters the worker took after the final step of the last turn (store writes
 finish on a thread) are reported.
 
-Greedy outputs ignoring EOS, so every request generates exactly ``max_tokens`` tokens. Adapted
-from ``tests/vllm/engine_proc.py`` (which fixes the model length)."""
+Greedy outputs ignoring EOS, so every request generates exactly ``max_tokens`` tokens. The
+environment, ``follow`` and the process-group handling are shared with the tests' engine helper
+(``tests/vllm/engine_proc.py``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+# Nothing is downloaded; the CPU KV cache is sized in GiB (1 is a million tokens of a tiny
+# model; vLLM's default is a share of RAM). The host IP is the loopback: `make test` runs in a
+# namespace where nothing else is up. Usage stats would try the network.
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -103,28 +107,30 @@ def run_engine(
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 proc.wait(timeout=30)
                 raise EngineError(
-                    f"the engine ran past {timeout}s; its log:\n{_tail(log)}"
+                    f"the engine ran past {timeout}s; its log:\n{log_tail(log)}"
                 ) from None
             finally:
-                _kill_group(proc)  # whatever of vLLM's outlived the child
+                kill_group(proc)  # whatever of vLLM's outlived the child
         if rc != 0 or not out_path.exists():
-            raise EngineError(f"the engine exited with {rc}; its log:\n{_tail(log)}")
+            raise EngineError(f"the engine exited with {rc}; its log:\n{log_tail(log)}")
         return json.loads(out_path.read_text())
 
 
-def _tail(path: Path) -> str:
+def log_tail(path: Path) -> str:
+    """The end of a child's log (what an error message carries)."""
     try:
         return path.read_text(errors="replace")[-LOG_TAIL:]
     except OSError:
         return "(no log)"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the child's process group (it leads one: vLLM's own children are in it too)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
 
 
 # --- the child --------------------------------------------------------------------------------
