@@ -175,3 +175,36 @@ def test_a_lost_page_is_reported_and_saved_again(pair, gen):
         )
     )
     assert [(s.blocks, s.digests) for s in again.saves] == [([6, 11, 7], d[1:4])]
+
+
+def test_a_steps_layerwise_loads_take_host_slots_before_its_saves(tmp_path, gen):
+    """A host tier of 8 pages, a step loading 6 pages from the store and saving 5 new ones:
+    the loads get their slots (a load without one costs a hit now), the saves what is left or
+    done with. (Saves that took their slots when the step's metadata was bound starved them.)"""
+    from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
+
+    p = Pair(tmp_path, gen, load_async=False)
+    try:
+        old = [bytes([7, i]) * 16 for i in range(6)]
+        p.forward(TieredKVMetadata(saves=[BlockPages("a", [1, 2, 3, 4, 5, 6], old)]))
+        p.tiers.drain()
+        want = [p.page(b) for b in (1, 2, 3, 4, 5, 6)]
+        for d in old:  # the pages leave the host tier; the store keeps them
+            slot = p.tiers.slots.pin_cached(d)
+            p.tiers.slots.forget(slot)
+            p.tiers.slots.unpin(slot)
+        refill_(p.physical, gen)
+        new = [bytes([9, i]) * 16 for i in range(5)]
+        step = TieredKVMetadata(
+            loads=[BlockPages("b", [7, 8, 9, 10, 11, 6], old)],
+            saves=[BlockPages("c", [1, 2, 3, 4, 5], new)],
+        )
+        p.worker.begin_saves(step)  # as vLLM binds the step's metadata: before the loads start
+        p.forward(step)
+        assert p.worker.load_errors() == set()
+        for block, w in zip([7, 8, 9, 10, 11, 6], want, strict=True):
+            assert torch.equal(p.page(block), w)
+        c = p.tiers.counters.snapshot()
+        assert c["loaded_store_blocks"] == 6  # the saves took what was free or done with
+    finally:
+        p.close()

@@ -10,7 +10,8 @@
   blocks are reported after the forward; vLLM discards that step's output for their requests
   and recomputes them.
 - Saves: ``save_kv_layer`` copies the layer's newly full blocks to host slots right after the
-  layer's attention wrote them; ``wait_for_save`` copies any layer not seen, names the slots
+  layer's attention wrote them (the slots are taken at the first layer saved, so the step's
+  layer-wise loads take theirs first); ``wait_for_save`` copies any layer not seen, names the slots
   and hands them to the store's write thread. The copy to the host is done before the step
   returns, so vLLM may reuse the blocks at once: no block outlives its request for a save
   (``request_finished`` never delays a free).
@@ -37,6 +38,7 @@ class WorkerSide:
         self._layer_events: list[threading.Event] = []
         self._sync_load: Future | None = None
         self._saves: list[SaveCopy] = []
+        self._pending: list[tuple[int, bytes]] = []  # the step's saves, not started yet
         self._writes: list[Future] = []
 
     # -- loads ------------------------------------------------------------------------------
@@ -110,19 +112,30 @@ class WorkerSide:
 
     # -- saves ------------------------------------------------------------------------------
     def begin_saves(self, meta: TieredKVMetadata) -> None:
-        blocks = [b for s in meta.saves for b in s.blocks]
-        digests = [d for s in meta.saves for d in s.digests]
-        self._saves = [self.tiers.begin_save(blocks, digests)] if blocks else []
+        """Note the step's saves; their host slots are taken at the first layer saved, after the
+        step's layer-wise loads took theirs (a load that finds no slot costs a hit now, a save
+        that finds none only a future one)."""
+        self._pending = [
+            (b, d) for s in meta.saves for b, d in zip(s.blocks, s.digests, strict=True)
+        ]
+        self._saves = []
+
+    def _started_saves(self) -> list[SaveCopy]:
+        if self._pending:
+            blocks, digests = (list(x) for x in zip(*self._pending, strict=True))
+            self._saves = [self.tiers.begin_save(blocks, digests)]
+            self._pending = []
+        return self._saves
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
-        for save in self._saves:
+        for save in self._started_saves():
             self.tiers.copy_layer(save, layer)
 
     def wait_for_save(self) -> None:
-        for save in self._saves:
+        for save in self._started_saves():
             future = self.tiers.finish_save(save)
             if future is not None:
                 self._writes.append(future)
