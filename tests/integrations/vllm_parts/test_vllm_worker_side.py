@@ -208,3 +208,36 @@ def test_a_steps_layerwise_loads_take_host_slots_before_its_saves(tmp_path, gen)
         assert c["loaded_store_blocks"] == 6  # the saves took what was free or done with
     finally:
         p.close()
+
+
+def test_a_failed_layerwise_load_drops_the_steps_saves(tmp_path, gen):
+    """A layer-wise load fails in a step: the forward read a block never filled, so every block
+    that step computed (its saves, of every request: a shared block could carry it) is dropped,
+    never named on the host or written to the store."""
+    from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
+
+    p = Pair(tmp_path, gen, load_async=False)
+    try:
+        missing = [bytes([5, i]) * 16 for i in range(2)]  # never stored: the load fails
+        computed = [bytes([6, i]) * 16 for i in range(3)]
+        step = TieredKVMetadata(
+            loads=[BlockPages("b", [7, 8], missing)],
+            saves=[BlockPages("b", [9], computed[:1]), BlockPages("c", [1, 2], computed[1:])],
+        )
+        p.worker.begin_saves(step)
+        p.forward(step)
+        assert p.worker.load_errors() == {7, 8}
+        p.tiers.drain()
+        assert p.tiers.slots.lookup(computed[:1]) == 0
+        assert all(p.tiers.slots.lookup([d]) == 0 for d in computed)
+        assert p.tiers.store.batch_exists(p.tiers.keys(computed[1:])) == 0
+        c = p.tiers.counters.snapshot()
+        assert c["save_dropped_blocks"] == 3 and c["saved_blocks"] == 0
+        assert p.tiers.slots.counts()["pinned"] == 0
+        # the next step, with no failed load, saves again
+        p.worker.begin_saves(TieredKVMetadata(saves=[BlockPages("c", [1, 2], computed[1:])]))
+        p.forward(TieredKVMetadata(saves=[BlockPages("c", [1, 2], computed[1:])]))
+        p.tiers.drain()
+        assert p.tiers.store.batch_exists(p.tiers.keys(computed[1:])) == 2
+    finally:
+        p.close()

@@ -184,7 +184,6 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            self._worker.finish_step_loads()
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]):

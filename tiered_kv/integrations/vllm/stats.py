@@ -27,6 +27,8 @@ HELP = {
     "load_no_slot_blocks": "blocks not loaded for want of a free host slot",
     "saved_blocks": "blocks copied from vLLM to the host tier",
     "save_skipped_blocks": "blocks not saved for want of a free host slot",
+    "save_dropped_blocks": "blocks not saved because a layer-wise load of their step failed "
+    "(the step's KV attended to a block never filled)",
     "save_present_blocks": "blocks not saved because the host tier already held their page",
     "store_written_blocks": "pages the store accepted",
     "store_write_failed_blocks": "pages the store did not store (full, down, refused)",

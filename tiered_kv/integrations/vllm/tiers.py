@@ -53,6 +53,7 @@ class TierCounters:
     NAMES = (
         "lookups", "lookup_hit_blocks", "loaded_host_blocks", "loaded_store_blocks",
         "load_failed_blocks", "load_no_slot_blocks", "saved_blocks", "save_skipped_blocks",
+        "save_dropped_blocks",
         "save_present_blocks", "store_written_blocks", "store_write_failed_blocks",
         "copy_errors", "loaded_bytes", "saved_bytes",
         "store_read_us", "load_copy_us", "save_copy_us", "store_write_us",
@@ -255,6 +256,13 @@ class ConnectorTiers:
                 _LOG.log(logging.WARNING, "save-copy", "block -> host copy failed: %r", exc)
             self.counters.add(save_copy_us=_us(start))
         save.layers_done.add(layer)
+
+    def drop_save(self, save: SaveCopy) -> None:
+        """Give back a save's host slots unnamed: its blocks' KV cannot be trusted."""
+        for slot in save.slots:
+            self.slots.unpin(slot)
+        self.counters.add(save_dropped_blocks=len(save.blocks))
+        save.slots, save.blocks, save.digests = [], [], []
 
     def finish_save(self, save: SaveCopy) -> Future | None:
         """Copy the layers not copied yet, name the slots, and write them to the store on the

@@ -39,6 +39,7 @@ class WorkerSide:
         self._sync_load: Future | None = None
         self._saves: list[SaveCopy] = []
         self._pending: list[tuple[int, bytes]] = []  # the step's saves, not started yet
+        self._step_failed = False  # a layer-wise load of this step failed
         self._writes: list[Future] = []
 
     # -- loads ------------------------------------------------------------------------------
@@ -93,9 +94,15 @@ class WorkerSide:
         self._layer_events[layer].wait(LAYER_WAIT_S)
 
     def finish_step_loads(self) -> None:
-        """The step's layer-wise loads, waited for and their failures kept for vLLM."""
+        """The step's layer-wise loads, waited for and their failures kept for vLLM. Where one
+        failed, the forward that just ran read a block that was never filled, and every token
+        it computed attended to it: the step's saves are dropped (vLLM recomputes from the
+        failed block, and the recomputed blocks are saved then)."""
+        self._step_failed = False
         if self._sync_load is not None:
-            self._errors |= self._sync_load.result()
+            failed = self._sync_load.result()
+            self._errors |= failed
+            self._step_failed = bool(failed)
             self._sync_load = None
         self._layer_events = []
 
@@ -135,7 +142,13 @@ class WorkerSide:
             self.tiers.copy_layer(save, layer)
 
     def wait_for_save(self) -> None:
+        """The step's end: its layer-wise loads waited for (``finish_step_loads``), then its saves
+        named and handed to the store, or dropped where a load of the step failed."""
+        self.finish_step_loads()
         for save in self._started_saves():
+            if self._step_failed:
+                self.tiers.drop_save(save)
+                continue
             future = self.tiers.finish_save(save)
             if future is not None:
                 self._writes.append(future)
