@@ -361,6 +361,50 @@ def test_writes_are_acknowledged_in_order_and_failures_reported(gen):
         ctl.close()
 
 
+def test_a_job_waited_for_is_delivered_while_an_earlier_one_still_runs(gen, monkeypatch):
+    """A write whose copy-engine job fails to build finishes at once, behind an earlier write
+    still copying on the write stream: ``wait`` returns for it and the next ``poll`` delivers
+    it (the contract: the jobs finished since the last call), the earlier one later. Head of
+    line only, the failed write was withheld until the first finished (a fault campaign's
+    ``wait([17])`` then never saw job 17)."""
+    pool, alloc, host = _rig(gen, "page_first", layers=3)
+    real = host.backup_from_device_all_layer
+    gate, started = threading.Event(), threading.Event()
+
+    def gated(*args, **kwargs):
+        started.set()
+        gate.wait(TIMEOUT)
+        real(*args, **kwargs)
+
+    def row_job(device_pool, host_indices, device_indices, to_host, io_backend):
+        if len(host_indices) == 3:
+            return None  # the copy streams run it (gated above)
+        raise OSError("engine refused the job")
+
+    monkeypatch.setattr(host, "backup_from_device_all_layer", gated)
+    monkeypatch.setattr(host, "row_job", row_job, raising=False)
+    ctl = DeviceHostTransfer(alloc, host)
+    try:
+        first = (slots(alloc.alloc, 1, 3, gen), slots(host.alloc, 1, 3, gen))
+        second = (slots(alloc.alloc, 1, 5, gen), slots(host.alloc, 1, 5, gen))
+        assert ctl.submit(TransferJob.write(16, *first))
+        assert started.wait(TIMEOUT)
+        assert ctl.submit(TransferJob.write(17, *second))
+        assert ctl.wait([17])
+        assert brief(ctl.poll()) == [(17, D2H, False, 0)]
+        assert ctl.in_flight == 1
+        gate.set()
+        assert brief(wait_for(ctl.poll)) == [(16, D2H, True, 3 * token_bytes(pool))]
+        for layer in range(3):
+            d, h = first
+            assert torch.equal(host_kv(host, layer, h)[1], dev_rows(pool.v_buffer[layer][d]))
+        s = ctl.stats.snapshot()["device_to_host"]
+        assert (s.ops, s.failed_ops) == (2, 1)
+    finally:
+        gate.set()
+        ctl.close()
+
+
 # -- argument checks and lifecycle ---------------------------------------------------------------
 def test_storage_directions_and_foreign_host_pools_are_refused(gen):
     """(Was: a controller without storage raised StateError "no storage".) The device <-> host

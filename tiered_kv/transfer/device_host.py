@@ -12,9 +12,10 @@ the native copy engine's thread instead (``kernels.copy_engine``): the same even
 for loads, at a fraction of a Python thread's handoff cost. Otherwise the copy streams call the
 host pool's copy methods.
 
-Results come from ``poll`` in submission order per stream (a later copy is never acknowledged
-before an earlier one on the same stream). A copy that raised is a failed result, never an
-exception in the caller; bytes and seconds per direction go into ``stats``.
+Results come from ``poll``: every copy finished since the last call, in submission order among
+those; the unfinished stay queued (a copy whose job failed to build finishes at once, behind a
+copy still running on another thread, and is delivered then). A copy that raised is a failed
+result, never an exception in the caller; bytes and seconds per direction go into ``stats``.
 """
 
 from __future__ import annotations
@@ -194,9 +195,17 @@ class DeviceHostTransfer(TransferWorker):
     def poll(self) -> list[TransferResult]:
         out = []
         for ops in (self._writes, self._loads):
-            # Not waiting: only copies whose last event has completed are acknowledged.
-            while ops and ops[0].events[-1].query():
-                out.append(self._finish(ops.popleft()))
+            # Not waiting: every copy whose last event has completed is acknowledged, not only
+            # those at the queue's head (the contract: the jobs finished since the last call; a
+            # job waited for must be delivered by the next poll).
+            kept: list[_Copy] = []
+            for copy in ops:
+                if copy.events[-1].query():
+                    out.append(self._finish(copy))
+                else:
+                    kept.append(copy)
+            ops.clear()
+            ops.extend(kept)
         return out
 
     def _finish(self, copy: _Copy) -> TransferResult:
