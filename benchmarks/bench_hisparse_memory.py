@@ -8,8 +8,14 @@ DeepSeek-V3.2-like geometry, and are checked against real allocations at smaller
 
 Swap-in: a request of ``--tokens`` tokens admitted with a ``--topk`` buffer; each decode step,
 every layer's selection keeps ``1 - churn`` of its previous tokens and picks the rest anew, and
-``swap_in`` brings the missing ones from host. Its median time per step is set against one
-contiguous copy of the same bytes, measured in the same rounds, alternating.
+``swap_in`` brings the missing ones from host. Its median time per step is set against two
+baselines measured in the same step, right after it (numpy, one thread, destinations already
+touched): ``copy``, one contiguous copy of the same bytes (the source just written, so hot in
+cache up to its size); ``gather``, the same number of latent rows per layer, host slots and
+destination rows picked at random, copied from the host buffer into random rows of an array
+the size of one device layer (one native block copy per layer, numpy where the native copier
+does not build), no bookkeeping: the memory cost of scattered rows, which a swap-in cannot
+avoid. ``swap/gather`` is what the swapper adds on top.
 
 Run::
 
@@ -22,6 +28,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from tiered_kv.bench import machine, report
@@ -30,6 +37,8 @@ from tiered_kv.device.dsa_pool import DSATokenToKVPool
 from tiered_kv.device.hisparse_index import HiSparseIndexKeys
 from tiered_kv.host.hisparse_swap import HiSparseSwapper
 from tiered_kv.host.pool_group import HostPoolGroup
+from tiered_kv.kernels import native_available
+from tiered_kv.kernels.transfer_native import copy_blocks
 
 RANK, ROPE, INDEX_DIM = 512, 64, 128  # DeepSeek-V3.2: bf16 latent, fp8 indexer key + scales
 MIB = 2**20
@@ -41,8 +50,23 @@ MEMORY = [
 ]  # fmt: skip
 SWAP = [
     C("churn", 5, ".2f"), C("hits/step", 9, ".0f"), C("loaded/step", 11, ".0f"),
-    C("swap ms/step", 12, ".2f"), C("copy ms", 7, ".2f"), C("swap/copy", 9, ".2f"),
+    C("swap ms/step", 12, ".2f"), C("gather ms", 9, ".2f"), C("copy ms", 7, ".2f"),
+    C("swap/copy", 9, ".2f"), C("swap/gather", 11, ".2f"),
 ]  # fmt: skip
+
+
+def gather_rows(out: np.ndarray, rows: np.ndarray, records: np.ndarray, picks: np.ndarray) -> None:
+    """Rows ``picks`` of ``records`` into rows ``rows`` of ``out``: one native block copy (no
+    temporary), numpy where the native copier does not build."""
+    if not native_available():
+        out[rows] = records[picks]
+        return
+    dst = out.ctypes.data + rows * out.strides[0]
+    copy_blocks(dst, records.ctypes.data + picks * records.strides[0], out.strides[0])
+
+
+def _ints(t: torch.Tensor) -> np.ndarray:
+    return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()]).numpy()
 
 
 def parse_args(argv):
@@ -56,6 +80,9 @@ def parse_args(argv):
     p.add_argument("--churn", type=float, nargs="+", default=[0.05, 0.25, 1.0])
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--kernel-backend", default=None, help="host copies: torch, native, ...")
+    p.add_argument(
+        "--copy-mode", default="auto", help="swap-in copies: auto, blocks, numpy, kernel"
+    )
     return p.parse_args(argv)
 
 
@@ -123,7 +150,9 @@ def swap_rows(args) -> list:
     seq = torch.tensor([n])
     logical = alloc.alloc_extend(z, z.clone(), seq, seq.clone(), torch.tensor([-1]), n)
     host_slots = host.alloc(-(-n // ps) * ps)[:n]
-    sw = HiSparseSwapper.admit(alloc, pool, host, keys, logical, host_slots, k)
+    sw = HiSparseSwapper.admit(
+        alloc, pool, host, keys, logical, host_slots, k, copy_mode=args.copy_mode
+    )
     if sw is None:
         raise SystemExit("the device cannot hold the buffer")
     g = torch.Generator().manual_seed(0)
@@ -131,9 +160,12 @@ def swap_rows(args) -> list:
     for layer in range(layers):  # warm up: every layer's first selection resident
         sw.swap_in(layer, sel[layer])
     lat, _ = per_token_bytes(ps)
+    latent = next(m for m in host.members if m.decl.name == "kv")
+    records = [_ints(latent.part_view("kv")[i]).reshape(size, -1) for i in range(layers)]
+    scratch = np.ones((size + ps, records[0].shape[1]), dtype=records[0].dtype)  # a layer
     rows = []
     for churn in args.churn:
-        times, copies, hits, loaded = [], [], [], []
+        times, gathers, copies, hits, loaded = [], [], [], [], []
         for step in range(args.steps + 1):
             for layer in range(layers):
                 stay = sel[layer][torch.randperm(k, generator=g)[: k - int(churn * k)]]
@@ -148,22 +180,30 @@ def swap_rows(args) -> list:
                 sw.swap_in(layer, sel[layer])
             took = time.perf_counter() - t
             moved = sw.num_loaded - l0
-            src = torch.empty(max(1, moved * lat), dtype=torch.uint8).random_(0, 256)
-            dst = torch.empty_like(src)
+            picks = host_slots[torch.randperm(n, generator=g)[: moved // layers]].numpy()
+            into = torch.randperm(size, generator=g)[: picks.size].numpy() + ps
             t = time.perf_counter()
-            dst.copy_(src)
+            for layer in range(layers):
+                gather_rows(scratch, into, records[layer], picks)
+            gather = time.perf_counter() - t
+            src = np.random.default_rng(step).integers(0, 256, max(1, moved * lat), np.uint8)
+            dst = np.ones_like(src)
+            t = time.perf_counter()
+            np.copyto(dst, src)
             copy = time.perf_counter() - t
             if step:  # the first step is a warm-up
                 times.append(took)
+                gathers.append(gather)
                 copies.append(copy)
                 hits.append(sw.num_hits - h0)
                 loaded.append(moved)
         if sw.num_failed:
             raise SystemExit(f"{sw.num_failed} swap-ins failed: {sw.last_error!r}")
-        swap, copy = statistics.median(times), statistics.median(copies)
+        swap, gather = statistics.median(times), statistics.median(gathers)
+        copy = statistics.median(copies)
         rows.append(
             [churn, statistics.median(hits), statistics.median(loaded), swap * 1e3,
-             copy * 1e3, swap / copy]
+             gather * 1e3, copy * 1e3, swap / copy, swap / gather]
         )  # fmt: skip
     sw.release()
     host.destroy()
@@ -183,7 +223,8 @@ def main(argv=None) -> int:
     print("\n".join(report.fixed_table(MEMORY, memory_rows(args))))
     print(
         f"\nswap-in: {args.tokens} tokens, {args.swap_layers} layers, topk {args.topk} "
-        f"(per step: every layer's swap_in; copy: one contiguous copy of the loaded bytes)"
+        f"(per step: every layer's swap_in; gather: as many random host rows per layer; copy: "
+        f"one contiguous copy of the loaded bytes; copy mode {args.copy_mode})"
     )
     print("\n".join(report.fixed_table(SWAP, swap_rows(args))))
     print("(medians)")

@@ -117,6 +117,13 @@ class DeviceConfig:
     max_requests: int = 64
     max_context_len: int = 8192
     device_swa_tokens: int | None = None  # SWA: window sub-pool slots (None: device_tokens)
+    # SWA: full and window KV in one page range over one shared buffer (UnifiedSWAKVPool):
+    # device_tokens is the whole budget, split between the sides as requests need it
+    swa_unified_pool: bool = False
+    # DSA: HiSparse (0: off). The device allocator gives every token a logical slot, this many
+    # per device slot; a sparse request (``HiSparseServing``) keeps its tokens on host and only
+    # a fixed buffer on the device
+    hisparse_logical_ratio: int = 0
     # hybrid_linear: Mamba state slots (requests' own, their tracking slots and cached
     # snapshots; None: 4 per request), the tracking buffer, overlap scheduling, lazy tracking
     device_state_slots: int | None = None
@@ -139,8 +146,8 @@ class DeviceConfig:
         n = self.device_state_slots
         ok = n is None or (_is_int(n) and n >= 1)
         _need(ok, self, "device_state_slots", "None (4 per request) or an int >= 1")
-        _ints(self, ("state_snapshot_every",), minimum=0)
-        for f in ("state_extra_buffer", "state_overlap", "state_lazy"):
+        _ints(self, ("state_snapshot_every", "hisparse_logical_ratio"), minimum=0)
+        for f in ("state_extra_buffer", "state_overlap", "state_lazy", "swa_unified_pool"):
             _need(isinstance(getattr(self, f), bool), self, f, "True or False")
         w = self.device_swa_tokens
         _need(
@@ -148,6 +155,12 @@ class DeviceConfig:
             self,
             "device_swa_tokens",
             f"None or a multiple of page_size={self.page_size}, at least two pages",
+        )
+        _need(
+            not (self.swa_unified_pool and w is not None),
+            self,
+            "device_swa_tokens",
+            "None with swa_unified_pool=True (one page range of device_tokens serves both sides)",
         )
         ps = self.page_size
         _need(ps & (ps - 1) == 0, self, "page_size", "a power of two (1, 2, 4, ..., 16, 64, ...)")
@@ -277,6 +290,25 @@ class TieredKVConfig:
                 )
         # Rules that span sections.
         ps, host = self.device.page_size, self.host
+        _need(
+            not self.device.swa_unified_pool or self.geometry.model == ModelKind.SWA,
+            self.device,
+            "swa_unified_pool",
+            f"False for model={self.geometry.model!r} (only a sliding-window model, "
+            "model='swa', has two sides to unify)",
+        )
+        _need(
+            not self.device.hisparse_logical_ratio or self.geometry.model == ModelKind.DSA,
+            self.device,
+            "hisparse_logical_ratio",
+            f"0 for model={self.geometry.model!r} (HiSparse serves a DSA model, model='dsa')",
+        )
+        _need(
+            not self.device.hisparse_logical_ratio or host.host_tokens,
+            self.device,
+            "hisparse_logical_ratio",
+            "0 without a host tier (a sparse request keeps its tokens on host; set host_tokens)",
+        )
         if host.host_tokens:
             _need(
                 host.host_tokens >= ps,

@@ -157,6 +157,9 @@ class Model:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.cache.device_pool
+        to_device = getattr(self.cache.allocator, "logical_to_device", None)
+        if to_device is not None:  # HiSparse: the request holds logical ids
+            slots = to_device[slots.to(torch.int64)]
         if self.dsa:
             k = torch.stack([pool.get_key_buffer(i)[slots] for i in range(self.layers)])
             rows = [pool.get_index_k_with_scale_buffer(i)[slots] for i in range(self.layers)]

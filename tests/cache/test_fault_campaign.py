@@ -269,6 +269,10 @@ class Campaign:
             # A window shorter than most prompts: requests release window KV, tombstones form.
             "swa": dict(model="swa", full_layer_every=2, sliding_window=9),
             "dsa": dict(model="dsa", kv_lora_rank=16, qk_rope_head_dim=8),
+            # A HiSparse allocator under the dense path: logical ids translated on every copy.
+            "hisparse": dict(
+                model="dsa", kv_lora_rank=16, qk_rope_head_dim=8, hisparse_logical_ratio=2
+            ),
         }.get(kind, {})
 
     def _open(self) -> TieredKVCache:
@@ -278,6 +282,10 @@ class Campaign:
             assert cache.allocator.swa_attn_allocator.alloc(3 * self.config.page_size) is not None
             cache._initial = cache.free_sizes()  # the reserved pages are nobody's to return
             cache.manager._device0 = cache.allocator.full_available_size()
+        if self.config.device.hisparse_logical_ratio:
+            # Logical ids must differ from device slots (else an untranslated id goes unseen).
+            assert cache.allocator.logical_allocator.alloc(3 * self.config.page_size) is not None
+            cache._initial = cache.free_sizes()
         inject(cache, self.faults, self.engine)
         probe = cache.manager.probe_storage
 
@@ -501,10 +509,12 @@ def test_fault_campaign_on_a_sliding_window_pool(tmp_path, gen, prefetch_policy)
 
 
 @pytest.mark.parametrize("prefetch_policy", PrefetchPolicy.values())
-def test_fault_campaign_on_a_dsa_pool(tmp_path, gen, prefetch_policy):
+@pytest.mark.parametrize("kind", ["dsa", "hisparse"])
+def test_fault_campaign_on_a_dsa_pool(tmp_path, gen, prefetch_policy, kind):
     """Issue 14: latents and indexer keys (two declared host pools moved and stored as one)
-    under the same faults; every served token's latent and indexer row is checked."""
-    run_campaign(tmp_path, gen, WritePolicy.WRITE_THROUGH.value, prefetch_policy, "dsa")
+    under the same faults; every served token's latent and indexer row is checked. Issue 29:
+    the same over a HiSparse allocator (the request's slots are logical ids)."""
+    run_campaign(tmp_path, gen, WritePolicy.WRITE_THROUGH.value, prefetch_policy, kind)
 
 
 def run_campaign(tmp_path, gen, write_policy, prefetch_policy, kind):

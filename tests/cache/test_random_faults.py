@@ -147,6 +147,8 @@ class ServerFaults(Faults):
         self.refused = 0  # damaged values asked for and not served
 
     def maybe(self, what: str) -> None:
+        # The damage is done under the lock too: a read's damaged check and its read (both
+        # under it, in ``server_faulted``) never have a fault land between them.
         with self.lock:
             if self.rng.random() >= self.rate:
                 return
@@ -154,18 +156,18 @@ class ServerFaults(Faults):
             pick = self.rng.random()
             self.fired += 1
             self.kinds[kind] += 1
-        values = sorted(self.admin.keys("tkv:[vh]:*"))  # a page's bytes or its header
-        if kind == "kill":
-            self.admin.client_kill_filter(_type="normal", skipme=True)
-        elif values:
-            key = values[int(pick * len(values))]
-            if kind == "drop":
-                self.admin.delete(key)
-            else:
-                at = int(pick * 7919) % self.admin.strlen(key)
-                byte = self.admin.getrange(key, at, at)
-                self.admin.setrange(key, at, bytes([byte[0] ^ 0x20]))
-                self.flipped[key] = self.admin.get(key)
+            values = sorted(self.admin.keys("tkv:[vh]:*"))  # a page's bytes or its header
+            if kind == "kill":
+                self.admin.client_kill_filter(_type="normal", skipme=True)
+            elif values:
+                key = values[int(pick * len(values))]
+                if kind == "drop":
+                    self.admin.delete(key)
+                else:
+                    at = int(pick * 7919) % self.admin.strlen(key)
+                    byte = self.admin.getrange(key, at, at)
+                    self.admin.setrange(key, at, bytes([byte[0] ^ 0x20]))
+                    self.flipped[key] = self.admin.get(key)
 
     def damaged(self, keys) -> list[int]:
         """Which of the store's ``keys`` hold a value this campaign damaged, right now."""
@@ -181,7 +183,9 @@ class ServerFaults(Faults):
 def server_faulted(base: type, faults, **store_kwargs) -> type:
     """``base`` opened with ``store_kwargs``, with ``faults.maybe`` done before each call; a
     value ``faults.damaged`` names must not be served (``faults.refused`` counts those asked
-    for), and ``faults.stored(keys, ok)`` (if it has one) hears what each set stored."""
+    for), and ``faults.stored(keys, ok)`` (if it has one) hears what each set stored.
+    ``faults.maybe`` must do its damage under ``faults.lock``: a read holds it from its damaged
+    check to the end of the read, so the values it counts damaged are the values it reads."""
 
     class ServerFaultedStorage(base):
         def __init__(self, namespace, page_nbytes):
@@ -193,11 +197,16 @@ def server_faulted(base: type, faults, **store_kwargs) -> type:
 
         def batch_get(self, keys, source, pages):
             faults.maybe("batch_get")
+            # Check and read under one lock. Between them another thread's store call (its
+            # maybe: the backup worker's set, the main thread's probe) could drop a value
+            # counted damaged or restart the master: a refusal counted that the store never
+            # made (checksum_failures one short of refused), or a value stored again meanwhile
+            # taken for a damaged one served.
             with faults.lock:
                 damaged = faults.damaged(keys)
-            ok = super().batch_get(keys, source, pages)
+                ok = super().batch_get(keys, source, pages)
+                faults.refused += len(damaged)
             assert not any(ok[i] for i in damaged), "a damaged value was served"
-            faults.refused += len(damaged)
             return ok
 
         def batch_set(self, keys, source, pages):

@@ -230,20 +230,29 @@ class VerifyCampaign(Campaign):
         self.check_absent(self.cache)
 
 
+def _lively(c: VerifyCampaign) -> bool:
+    return c.n["reached"] > 0 and c.n["restarts"] + c.n["extended_first"] > 0
+
+
 def run_verify_campaign(tmp_path, gen, write_policy, prefetch_policy, kind="mha"):
     seed = campaign_seed(gen)
     print(f"verify campaign seed {seed} (TIERED_KV_CAMPAIGN_SEED={seed}), {kind} pool")
     c = VerifyCampaign(tmp_path, seed, write_policy, prefetch_policy, kind)
+    ops = 0
     try:
-        for _ in range(OPS):
+        # OPS steps, then more (bounded) while no silent corruption has reached a prefix yet
+        # (or neither a restart nor an extend-first request came): on a sliding-window pool
+        # hits are rarer, and a seed may need longer, not forever.
+        while ops < OPS or (ops < 4 * OPS and not _lively(c)):
             c.step()
+            ops += 1
         c.settle()
         c.check_absent(c.cache)
         stats = c.cache.stats()["verify"]
     finally:
         c.cache.close()
     silent = c.silent.faults.fired
-    print(f"ops {OPS}, {c.n}, tier hits {c.tiers}, faults {c.faults.fired}, silent {silent}")
+    print(f"ops {ops}, {c.n}, tier hits {c.tiers}, faults {c.faults.fired}, silent {silent}")
     print(f"cache's verify counters (this cache only): {stats}")
     assert c.n["wrong"] == 0, c.first_wrong  # nothing wrong served after verification
     assert c.n["caught"] == c.n["reached"], c.n

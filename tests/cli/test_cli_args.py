@@ -293,3 +293,26 @@ def test_run_on_a_store_of_the_other_layout_exits_with_one_line(tmp_path, capsys
         main(["run-reference", "--store", str(store), "--storage-layout", "slab", "--no-progress"])
     text = str(info.value.code)
     assert "holds a store of the lmdb layout" in text and "--storage-layout" in text
+
+
+def test_run_serves_the_hybrid_presets_at_their_own_scale(capsys, monkeypatch):
+    """``run --preset`` lists the sliding-window and hybrid presets; ``--scale`` left out is
+    the preset's own (documented in the help), given it wins."""
+    from tiered_kv.cli import scale_cmd
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
+    for name in ("gemma-3-12b", "qwen3-next-80b-a3b", "deepseek-v3.2"):
+        assert name in entries["--preset"]
+    assert "gemma-3-4b 2, qwen3-next-80b-a3b 4" in entries["--scale"]
+    parser = build_parser()
+    for argv, scale in (
+        (["--preset", "gemma-3-4b"], 2.0),
+        (["--preset", "gemma-3-12b"], 1.0),
+        (["--preset", "qwen3-next-80b-a3b"], 4.0),
+        (["--preset", "gemma-3-4b", "--scale", "1"], 1.0),
+        ([], 1.0),
+    ):
+        assert scale_cmd.config_of(parser.parse_args(["run", *argv])).scale == scale

@@ -68,9 +68,16 @@ def move(cache: TieredKVCache, tier: str) -> None:
         scribble(cache, host=tier == "storage")
 
 
+@pytest.mark.parametrize("hisparse", [0, 2])
 @pytest.mark.parametrize("tier", ["device", "host", "storage"])
-def test_latents_and_indexer_keys_restored_from_each_tier_are_bitwise(make_cache, gen, tier):
-    cache = make_cache()
+def test_latents_and_indexer_keys_restored_from_each_tier_are_bitwise(
+    make_cache, gen, tier, hisparse
+):
+    """``hisparse``: the same on a HiSparse allocator (dense requests hold logical ids, which
+    differ from their device rows: an untranslated read or write would hit another row)."""
+    cache = make_cache(hisparse_logical_ratio=hisparse)
+    if hisparse:
+        assert cache.allocator.logical_allocator.alloc(3 * cache.config.page_size) is not None
     server = Server(Recorder(TinyDSA(DSA)), cache)
     shared = tokens(gen, 45)
     p1 = shared + tokens(gen, 11)

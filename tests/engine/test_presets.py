@@ -18,6 +18,8 @@ SMALL = {
     "deepseek-v3": dict(layers=2),
     "deepseek-v3.2": dict(layers=2),
     "gemma-2-9b": dict(layers=4, sliding_window=32),
+    "gemma-3-4b": dict(layers=6, head_dim=32, sliding_window=32),
+    "gemma-3-12b": dict(layers=6, head_dim=32, sliding_window=32),
     "qwen3-next-80b-a3b": dict(layers=4, linear_heads=2, linear_key_dim=16, linear_value_dim=32),
 }
 
@@ -44,6 +46,43 @@ def test_bytes_per_token_of_the_other_presets():
     h, dk, dv = g.temporal_state_shape()
     assert h * dk * dv == 32 * 128 * 128  # the model's 32 value heads x (128 x 128)
     assert P.state_bytes(hybrid) == 36 * (8192 * 3 + 16 * 128 * 256) * 4
+
+
+def test_gemma_3_keeps_8_full_and_40_window_layers():
+    p = P.preset("gemma-3-12b")
+    b = P.kv_bytes(p, 64)
+    assert (len(b.full_layers), len(b.window_layers)) == (8, 40)  # 1 global in 6, as published
+    assert b.full_layers == list(range(0, 48, 6))  # the cache's rule, shifted from (i + 1) % 6
+    assert b.layer_per_token == 8 * (256 + 256) * 2 == 8192
+    assert P.bytes_per_token(p) == 48 * 8192 and b.all_full_per_token == 48 * 8192
+
+
+def test_held_and_restored_bytes_against_every_layer_full_by_hand():
+    """KVBytes on the published geometries, worked out by hand: a 4096-token request and a
+    restore of its last 2048 tokens, against the same model with every layer full attention."""
+    g = P.kv_bytes(P.preset("gemma-3-12b"), 64)
+    # window layers: from the page of position 4096 - 1024 on (3072 is page-aligned): 1024
+    assert g.window_held(4096) == 1024 and g.window_held(1000) == 1000
+    assert g.window_held(1100) == 1100 - 64  # page 0 (0..63) left behind by position 76
+    assert g.device(4096) == 8 * 8192 * 4096 + 40 * 8192 * 1024 == 603_979_776
+    assert g.all_full_device(4096) == 48 * 8192 * 4096 == 1_610_612_736  # 2.67x
+    # a restore needs the window KV of the pages of the last 1023 positions (3073..4095)
+    assert g.window_needed(4096) == 4096 - 3072
+    assert g.restored(4096, 2048) == 8 * 8192 * 2048 + 40 * 8192 * 1024 == 469_762_048
+    assert g.restored(4096, 512) == 8 * 8192 * 512 + 40 * 8192 * 512  # all of it inside
+    assert g.all_full_restored(2048) == 48 * 8192 * 2048 == 805_306_368
+    q = P.kv_bytes(P.preset("qwen3-next-80b-a3b"), 64)
+    state = 36 * (8192 * 3 + 16 * 128 * 256) * 4
+    assert q.state == state == 79_036_416  # 75.4 MiB: 36 recurrent layers, float32
+    assert q.device(4096) == 12 * 2048 * 4096 + state == 179_699_712
+    assert q.all_full_device(4096) == 48 * 2048 * 4096 == 402_653_184  # 2.24x
+    assert q.restored(4096, 2048) == 12 * 2048 * 2048 + state
+    assert q.restored(4096, 0) == 0
+    d = P.kv_bytes(P.preset("deepseek-v3.2"), 64)
+    assert d.device(4096) == 61 * (1152 + 132) * 4096  # the indexer key and its scales
+    assert d.all_full_device(4096) == 61 * 1152 * 4096  # DeepSeek-V3's MLA cache: 11% less
+    assert d.read(4096) == d.device(4096)
+    assert g.read(4096) == 8 * 8192 * 4096 + 40 * 8192 * 1024
 
 
 def test_every_preset_says_where_its_numbers_come_from():

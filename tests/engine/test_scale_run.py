@@ -136,9 +136,63 @@ def test_a_corrupted_restored_byte_is_reported(tmp_path):
     assert flipped and res["verification"]["mismatched_tokens"] >= 1
 
 
+# The hybrid presets scaled down, each keeping its layer pattern: Gemma 3's 1 full in 6 with a
+# window shorter than a request, Qwen3-Next's 1 full in 4 with its recurrent state, V3.2's DSA.
+HYBRID = {
+    "gemma-3-12b": dict(layers=6, head_num=2, head_dim=32, sliding_window=48),
+    "qwen3-next-80b-a3b": dict(
+        layers=4, head_dim=32, linear_heads=2, linear_key_dim=16, linear_value_dim=32
+    ),
+    "deepseek-v3.2": dict(layers=2, kv_lora_rank=64, qk_rope_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID))
+def test_each_hybrid_preset_runs_verified_and_reports_its_bytes(tmp_path, name):
+    """The tiered mode on each hybrid preset: 0 mismatched tokens over restores from host,
+    and the report's bytes worked out again from the workload and the geometry: every
+    request's device bytes (prompt + answer: system, document, its turns so far), the
+    same with every layer full, and the restores' bytes."""
+    p = P.scaled(P.preset(name), **HYBRID[name])
+    cfg = ScaleConfig(p, **TINY, store_dir=str(tmp_path))
+    res = run_scale(cfg, modes=("tiered",))
+    t = res["modes"]["tiered"]
+    v = t["verification"]
+    assert v["mismatched_tokens"] == 0 and v["verified_tokens"] > 0
+    assert t["scheduler"]["overcommits"] == 0 and t["requests"] == 8 * 3
+    assert t["hits"]["host"] + t["hits"]["storage"] > 0
+    b, kv = P.kv_bytes(p, 16), res["kv"]
+    turn = cfg.tokens("question_tokens") + cfg.tokens("answer_tokens")
+    lengths = [
+        cfg.tokens("system_tokens") + cfg.tokens("doc_tokens") + (k + 1) * turn
+        for _ in range(cfg.users)
+        for k in range(cfg.rounds)
+    ]
+    assert sum(lengths) == t["prompt_tokens"] + t["generated_tokens"]
+    n = len(lengths)
+    assert kv["device_per_request"] == pytest.approx(sum(map(b.device, lengths)) / n)
+    # every layer full attention, by hand: K and V of each head (bf16), or MLA's latent alone
+    per_layer = 2 * (64 + 16) if name == "deepseek-v3.2" else p.head_num * 2 * 32 * 2
+    assert kv["all_full_bytes_per_token"] == p.num_layers * per_layer
+    assert kv["all_full_device_per_request"] == pytest.approx(
+        p.num_layers * per_layer * sum(lengths) / n
+    )
+    restored = t["bytes"]["restored_tokens"]
+    assert restored > 0
+    assert kv["all_full_restored_per_turn"] * n == pytest.approx(
+        kv["all_full_bytes_per_token"] * restored
+    )
+    extra = kv["restored_per_turn"] * n - b.full_per_token * restored  # window KV, states
+    if name == "gemma-3-12b":
+        assert kv["window_layers"] == 5 and 0 < extra <= b.window_per_token * restored
+        assert kv["device_saved"] > 1.5 and kv["restored_saved"] > 1.5
+    elif name == "qwen3-next-80b-a3b":
+        assert kv["recurrent_layers"] == 3 and extra > 0 and extra % b.state == 0
+    else:
+        assert extra == 0 and kv["device_saved"] == pytest.approx(80 / (80 + 66))
+
+
 def test_config_is_validated():
-    with pytest.raises(InvalidArgumentError, match="hybrid_linear"):
-        ScaleConfig("qwen3-next-80b-a3b")
     with pytest.raises(InvalidArgumentError, match="chunk_tokens=100"):
         ScaleConfig(chunk_tokens=100)
     with pytest.raises(InvalidArgumentError, match="users=0"):

@@ -14,6 +14,7 @@ import torch
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine.batch_state import ReqState, SchedulerConfig
+from tiered_kv.engine.budget import Need
 from tiered_kv.engine.model import DenseKV, ModelConfig, TinyLlama
 from tiered_kv.engine.scheduler import Scheduler
 from tiered_kv.errors import InvalidArgumentError
@@ -186,8 +187,8 @@ def test_random_workload_never_overcommits_and_stays_bitwise(
 class Blind(Scheduler):
     """Admission that forgets the running requests' prefill claims and decode reserve."""
 
-    def _claims(self) -> int:
-        return 0
+    def _claims(self) -> Need:
+        return Need(0)
 
 
 def test_the_overcommit_count_can_fire(make_cache):

@@ -23,11 +23,14 @@ from tiered_kv.device.hisparse_index import HiSparseIndexKeys
 from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.host.hisparse_swap import HiSparseSwapper
 from tiered_kv.host.pool_group import HostPoolGroup
+from tiered_kv.kernels import native_available
 from tiered_kv.names import HostLayout
 from tiered_kv.storage import MemoryStorage, StorageNamespace, page_keys
 from tiered_kv.transfer import HostStorageTransfer, TransferJob
 
 LAYERS, RANK, ROPE = 3, 13, 6
+NATIVE = pytest.mark.skipif(not native_available(), reason="native copier not built")
+COPY_MODES = [pytest.param("blocks", marks=NATIVE), "numpy", "kernel"]
 
 
 def _t(values) -> torch.Tensor:
@@ -38,9 +41,14 @@ class Rig:
     """A DSA pool behind a HiSparse allocator, its host group, and the bytes written."""
 
     def __init__(
-        self, page: int, device_pages: int, gen: torch.Generator, layout: str = "layer_first"
+        self,
+        page: int,
+        device_pages: int,
+        gen: torch.Generator,
+        layout: str = "layer_first",
+        copy_mode: str = "auto",
     ) -> None:
-        self.page, self.gen = page, gen
+        self.page, self.gen, self.copy_mode = page, gen, copy_mode
         size = device_pages * page
         self.pool = DSATokenToKVPool(size, page, torch.bfloat16, RANK, ROPE, LAYERS)
         self.alloc = HiSparseTokenToKVPoolAllocator(
@@ -71,8 +79,9 @@ class Rig:
         self.write(self.alloc.translate_loc(logical))
         host = self.host.alloc(-(-host_tokens // self.page) * self.page)
         sw = HiSparseSwapper.admit(
-            self.alloc, self.pool, self.host, self.keys, logical, host[:n], buffer_size
-        )
+            self.alloc, self.pool, self.host, self.keys, logical, host[:n], buffer_size,
+            copy_mode=self.copy_mode,
+        )  # fmt: skip
         return sw, host
 
     def decode(self, sw: HiSparseSwapper, host: torch.Tensor) -> None:
@@ -175,29 +184,28 @@ def test_the_newest_token_is_a_hit_at_the_reserved_slot(gen):
     sw.release()
 
 
-def test_failed_copies_leave_tokens_non_resident(gen, monkeypatch):
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_failed_copies_leave_tokens_non_resident(gen, monkeypatch, copy_mode):
     rng = random.Random(7)
-    rig = Rig(4, device_pages=30, gen=gen)
+    rig = Rig(4, device_pages=30, gen=gen, copy_mode=copy_mode)
     sw, host = rig.prefill(61, buffer_size=12, host_tokens=110)
-    latent = sw._latent
-    real = latent.load_to_device_per_layer
+    real = sw._rows.load
     faults = {"raised": 0, "refused": 0}
 
-    def flaky(pool, host_indices, device_indices, layer_id, io_backend="kernel"):
+    def flaky(layer_id, host_slots, dev_rows):
         roll = rng.random()
-        if roll < 0.15:  # refused before any byte moves (the translation says no)
+        if roll < 0.15:  # refused before any byte moves
             faults["refused"] += 1
             raise StateError("refused")
-        real(pool, host_indices, device_indices, layer_id, io_backend)
+        real(layer_id, host_slots, dev_rows)
         if roll < 0.45:  # the copy dies part-way: some rows hold garbage
-            dev = rig.alloc.translate_kv_indices_for_transfer(device_indices)
-            bad = dev[: max(1, dev.numel() // 2)]
+            bad = torch.from_numpy(dev_rows[: max(1, dev_rows.size // 2)])
             raw = rig.pool.kv_buffer[layer_id].view(torch.uint8)
             raw[bad] = torch.randint(0, 256, raw[bad].shape, dtype=torch.uint8)
             faults["raised"] += 1
             raise TransferError("copy failed part-way")
 
-    monkeypatch.setattr(latent, "load_to_device_per_layer", flaky)
+    monkeypatch.setattr(sw._rows, "load", flaky)
     failed = 0
     for _ in range(30):
         rig.decode(sw, host)
@@ -216,15 +224,17 @@ def test_failed_copies_leave_tokens_non_resident(gen, monkeypatch):
             rig.check_resident(sw)
     assert faults["raised"] and faults["refused"] and failed == sw.num_failed > 0
     assert isinstance(sw.last_error, (StateError, TransferError))
-    monkeypatch.setattr(latent, "load_to_device_per_layer", real)
+    monkeypatch.setattr(sw._rows, "load", real)
     n = sw.num_tokens
     got = sw.swap_in(0, _t(list(range(n - 12, n))))  # a retry after the faults: all land
     assert got.failed.numel() == 0
     rig.check_resident(sw)
-    assert int((rig.alloc.logical_to_device[sw.logical] != 0).sum()) == 0  # entries cleared
+    assert int((rig.alloc.logical_to_device[sw.logical] != 0).sum()) == 0  # no entries
 
 
-def test_a_refused_translation_is_a_miss(gen, monkeypatch):
+def test_swap_in_neither_translates_nor_touches_the_table(gen, monkeypatch):
+    """The buffer's slots are physical already: swap-in copies into them without the
+    allocator's translation (refusing it changes nothing) and leaves the table as it was."""
     rig = Rig(1, device_pages=30, gen=gen)
     sw, _ = rig.prefill(25, buffer_size=6, host_tokens=25)
 
@@ -232,10 +242,95 @@ def test_a_refused_translation_is_a_miss(gen, monkeypatch):
         raise StateError("refused")
 
     monkeypatch.setattr(rig.alloc, "translate_kv_indices_for_transfer", refuse)
+    table = rig.alloc.logical_to_device.clone()
     got = sw.swap_in(0, _t([3, 20, 21]))
-    assert got.hits == 1 and got.loaded == 0 and sorted(got.failed.tolist()) == [20, 21]
-    assert not {20, 21} & set(sw.resident(0).tolist())
+    assert got.hits == 1 and got.loaded == 2 and got.failed.numel() == 0
+    want = torch.stack([rig.latent[0][p] for p in (3, 20, 21)])
+    assert torch.equal(rig.latent_bytes(0, got.device_slots), want)
+    assert torch.equal(table, rig.alloc.logical_to_device)
     rig.check_resident(sw)
+
+
+class LRUModel:
+    """Residency per layer in plain Python: the contract ``swap_in`` keeps (a hit keeps its
+    slot; a miss takes the least recently used slot not selected, ties by slot; a failed copy
+    leaves its slots empty and oldest)."""
+
+    def __init__(self, layers: int, buffer_size: int, kept: int) -> None:
+        self.held = [list(range(kept)) + [-1] * (buffer_size - kept) for _ in range(layers)]
+        self.used = [[-1] * buffer_size for _ in range(layers)]
+        self.clock = 0
+
+    def swap(self, layer: int, sel: list[int], newest: int | None, ok: bool) -> tuple:
+        held, used = self.held[layer], self.used[layer]
+        rest = [p for p in sel if p != newest]
+        slot = {p: j for j, p in enumerate(held) if p >= 0}
+        miss = [p for p in rest if p not in slot]
+        keep = {slot[p] for p in rest if p in slot}
+        free = sorted((j for j in range(len(held)) if j not in keep), key=lambda j: used[j])
+        victims = free[: len(miss)]
+        for j in victims:
+            slot.pop(held[j], None)
+            held[j] = -1
+        for p, j in zip(miss, victims, strict=True):
+            if ok:
+                held[j], slot[p] = p, j
+            else:
+                used[j] = -1
+        self.clock += 1
+        for p in rest:
+            if p in slot:
+                used[slot[p]] = self.clock
+        hits = len(rest) - len(miss) + (newest in sel)
+        return hits, len(miss) if ok else 0, 0 if ok else len(miss)
+
+
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+@pytest.mark.parametrize("page", [1, 4])
+def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode, page):
+    rng = random.Random(100 * page + len(copy_mode))
+    buffer_size = 16 if page == 4 else 13
+    rig = Rig(page, device_pages=200 // page + 6, gen=gen, copy_mode=copy_mode)
+    sw, host = rig.prefill(21, buffer_size=buffer_size, host_tokens=180)
+    model = LRUModel(LAYERS, buffer_size, min(buffer_size, 21))
+    real = sw._rows.load
+    fail = [False]
+
+    def maybe(layer_id, host_slots, dev_rows):
+        if fail[0]:
+            raise TransferError("injected")
+        real(layer_id, host_slots, dev_rows)
+
+    monkeypatch.setattr(sw._rows, "load", maybe)
+    for step in range(60):
+        if step % 3 == 0:
+            rig.decode(sw, host)
+        n = sw.num_tokens
+        newest = None
+        if step % 3 == 1:  # a token begun, not yet committed: a hit at the reserved slot
+            tok = rig.alloc.alloc_decode(_t([n + 1]), _t([n + 1]), sw.logical[-1:])
+            rig.write(sw.begin_token(tok, host[n : n + 1]))
+            newest, n = n, n + 1
+        for layer in range(LAYERS):
+            k = rng.randint(0, buffer_size + (newest is not None))
+            sel = rng.sample(range(n), k)
+            if newest is not None and newest not in sel and len(sel) > buffer_size:
+                sel = sel[:buffer_size]
+            fail[0] = rng.random() < 0.2
+            got = sw.swap_in(layer, _t(sel))
+            assert (got.hits, got.loaded, got.failed.numel()) == model.swap(
+                layer, sel, newest, not fail[0]
+            )
+            assert sw.resident(layer).tolist() == model.held[layer]
+            ok = ~torch.isin(_t(sel), got.failed)
+            if ok.any():
+                want = torch.stack([rig.latent[layer][p] for p in _t(sel)[ok].tolist()])
+                assert torch.equal(rig.latent_bytes(layer, got.device_slots[ok]), want)
+        rig.check_resident(sw)
+        if newest is not None:
+            sw.commit_token()
+    assert sw.num_failed and sw.num_loaded and sw.num_hits
+    assert sw.num_tokens > 2 * 21 and bool((sw._where == -1).all())  # scratch grew, all -1
 
 
 def _state(rig: Rig, sw: HiSparseSwapper):
@@ -270,6 +365,8 @@ def test_bad_input_raises_and_changes_nothing(gen):
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([-1]))),
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([3, 3]))),  # repeated
         (InvalidArgumentError, lambda: sw.swap_in(0, _t(list(range(9))))),  # > buffer
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([2] * 10))),  # repeated, > buffer
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([4, 5, 4]).to(torch.int32))),
         (InvalidArgumentError, lambda: sw.swap_in(0, torch.tensor([1.0, 2.0]))),
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([[1, 2]]))),
         (InvalidArgumentError, lambda: sw.swap_in(LAYERS, _t([1]))),  # no such layer
@@ -282,6 +379,7 @@ def test_bad_input_raises_and_changes_nothing(gen):
         with pytest.raises(err):
             call()
         assert _same(before, _state(rig, sw))
+        assert bool((sw._where == -1).all())  # the position scratch is clean again
     sw.release()
     with pytest.raises(StateError, match="released"):
         sw.swap_in(0, _t([1]))

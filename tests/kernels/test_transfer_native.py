@@ -40,8 +40,9 @@ from tests.kernels._transfer_util import (
 from tiered_kv import kernels
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.mha_pool import MHATokenToKVPool
+from tiered_kv.errors import TransferError
 from tiered_kv.kernels import PlanCache, transfer_kernels
-from tiered_kv.kernels.transfer_native import NativeRowPlan, transfer_rows
+from tiered_kv.kernels.transfer_native import NativeRowPlan, copy_blocks, transfer_rows
 from tiered_kv.platform import KernelBackend
 
 
@@ -191,3 +192,18 @@ def test_large_native_transfer_uses_threads_and_streams(layout, gen):
     with torch_threads(4):
         native.load_to_device_all_layer(pool, host_idx, dst)
     assert_device_equal(pool, expected_device_after_load(dev0, dev0, src, dst))
+
+
+def test_copy_blocks_moves_exactly_the_addressed_blocks(gen):
+    """Blocks of an irregular size between random rows of two buffers of fresh random bits:
+    exactly those destination rows change, to their sources' bytes."""
+    src = torch.randint(0, 256, (53, 37), dtype=torch.uint8, generator=gen)
+    dst = torch.randint(0, 256, (41, 37), dtype=torch.uint8, generator=gen)
+    before = dst.clone()
+    s_rows = torch.randperm(53, generator=gen)[:17]
+    d_rows = torch.randperm(41, generator=gen)[:17]
+    copy_blocks((dst.data_ptr() + d_rows * 37).numpy(), (src.data_ptr() + s_rows * 37).numpy(), 37)
+    before[d_rows] = src[s_rows]
+    assert torch.equal(dst, before)
+    with pytest.raises(TransferError, match="one length"):
+        copy_blocks(d_rows.numpy(), s_rows[:3].numpy(), 37)

@@ -14,10 +14,21 @@ import torch
 from tiered_kv.errors import IntegrityError
 
 
+def free_device_tokens(device) -> int:
+    """Free device slots on the side that holds every token: a unified sliding-window
+    allocator's free virtual ids, a sliding-window allocator's full side, a HiSparse
+    allocator's device side, else the pool's."""
+    for name in ("virtual_available_size", "full_available_size", "device_available_size"):
+        count = getattr(device, name, None)
+        if count is not None:
+            return count()
+    return device.available_size()
+
+
 def check_slots(manager, outside_device: int, outside_host: int) -> None:
     tree, device = manager.tree, manager.device
-    free_device = getattr(device, "full_available_size", device.available_size)
-    tiers = [("device", free_device(), tree.device_tokens, outside_device, manager._device0)]
+    free = free_device_tokens(device)
+    tiers = [("device", free, tree.device_tokens, outside_device, manager._device0)]
     if manager.host is not None:
         free_host = manager.host.available_size()
         tiers.append(("host", free_host, tree.host_tokens, outside_host, manager._host0))

@@ -1,11 +1,12 @@
 """build_cache_parts: every component a :class:`TieredKVCache` runs on, built from its config.
 
-The device pool (MHA or MLA) and its paged allocator, the request rows, the host pool from the
-device pool's declaration (with the host section's own options), the store under its namespace
-in the configured ``storage_layout`` (with the storage section's own options), one
-transfer-stats object shared by both transfer workers, the tree, the manager and (with
-``load_planner`` and a host tier) the load planner fed by those transfer stats. A failure part
-way closes what was built.
+The device pool (MHA, MLA, DSA, or a sliding-window pool: two sub-pools, or with
+``swa_unified_pool`` one page range over one shared buffer) and its allocator, the request
+rows, the host pool from the device pool's declaration (with the host section's own
+options), the store under its namespace in the configured ``storage_layout`` (with the storage
+section's own options), one transfer-stats object shared by both transfer workers, the tree,
+the manager and (with ``load_planner`` and a host tier) the load planner fed by those transfer
+stats. A failure part way closes what was built.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import CacheMetrics
 from tiered_kv.cache.window import SlidingWindow
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.device.allocator.hisparse import HiSparseTokenToKVPoolAllocator
 from tiered_kv.device.allocator.paged import PagedTokenToKVPoolAllocator
 from tiered_kv.device.allocator.swa import SWATokenToKVPoolAllocator
+from tiered_kv.device.allocator.unified_swa import UnifiedSWATokenToKVPoolAllocator
 from tiered_kv.device.dsa_pool import QUANT_BLOCK, DSATokenToKVPool
 from tiered_kv.device.kv_cache import KVCache, mha_kv_bytes, mla_kv_bytes
 from tiered_kv.device.mha_pool import MHATokenToKVPool
@@ -32,6 +35,7 @@ from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.device.sizing import request_row_width, resolve_sizing
 from tiered_kv.device.swa_pool import SWAKVPool
+from tiered_kv.device.unified_swa_pool import UnifiedSWAKVPool
 from tiered_kv.errors import HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.host.pool_group import HostPoolGroup
@@ -46,7 +50,9 @@ from tiered_kv.tree.tiered_tree import TieredTree
 
 class CacheParts(NamedTuple):
     device_pool: KVCache | SWAKVPool
-    allocator: PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator
+    allocator: (
+        PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator | UnifiedSWATokenToKVPoolAllocator
+    )
     req_to_token: ReqToTokenPool
     host_pool: HostKVCache | HostPoolGroup | None  # a group when the pool declares several
     storage: GuardedStorage | None  # the disk store, reopened or turned off when it keeps failing
@@ -60,6 +66,12 @@ class CacheParts(NamedTuple):
 def device_pool_for(c: TieredKVConfig) -> KVCache | SWAKVPool:
     g, d = c.geometry, c.device
     device = torch.device(d.device)
+    if g.model == ModelKind.SWA and d.swa_unified_pool:
+        full, window = g.swa_layer_ids()
+        return UnifiedSWAKVPool(
+            d.device_tokens // d.page_size, d.page_size, g.torch_dtype, g.head_num, g.head_dim,
+            full, window, device, v_head_dim=g.v_head_dim, share_bytes=True,
+        )  # fmt: skip
     if g.model == ModelKind.SWA:
         full, window = g.swa_layer_ids()
         return SWAKVPool(
@@ -107,13 +119,23 @@ def swa_tokens(c: TieredKVConfig) -> int:
 
 def allocator_for(
     c: TieredKVConfig, pool: KVCache | SWAKVPool
-) -> PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator:
+) -> PagedTokenToKVPoolAllocator | SWATokenToKVPoolAllocator | UnifiedSWATokenToKVPoolAllocator:
     d = c.device
     sizing = resolve_sizing(d.sizing, d.page_size)
+    if isinstance(pool, UnifiedSWAKVPool):
+        return UnifiedSWATokenToKVPoolAllocator(
+            pool.num_pages, d.page_size, c.torch_dtype, torch.device(d.device), pool,
+            sizing=sizing, skip_freed_window=True,
+        )  # fmt: skip
     if isinstance(pool, SWAKVPool):
         return SWATokenToKVPoolAllocator(
             d.device_tokens, swa_tokens(c), d.page_size, c.torch_dtype, torch.device(d.device),
             pool, sizing=sizing,
+        )  # fmt: skip
+    if d.hisparse_logical_ratio:  # logical slots for every token, device slots for some
+        return HiSparseTokenToKVPoolAllocator(
+            d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool,
+            host_to_device_ratio=d.hisparse_logical_ratio, sizing=sizing,
         )  # fmt: skip
     return PagedTokenToKVPoolAllocator(
         d.device_tokens, d.page_size, c.torch_dtype, torch.device(d.device), pool, sizing=sizing
@@ -125,7 +147,10 @@ def check_device_fits(c: TieredKVConfig) -> None:
     (instead of an untyped allocation error from torch half way through the build)."""
     g, d = c.geometry, c.device
     tokens = d.device_tokens + d.page_size
-    if g.model == ModelKind.SWA:
+    if g.model == ModelKind.SWA and d.swa_unified_pool:  # one buffer, the larger side's layers
+        layers = max(map(len, g.swa_layer_ids()))
+        pool = mha_kv_bytes(layers, tokens, g.head_num, g.head_dim, g.torch_dtype)
+    elif g.model == ModelKind.SWA:
         full, window = g.swa_layer_ids()
         pool = mha_kv_bytes(len(full), tokens, g.head_num, g.head_dim, g.torch_dtype)
         pool += mha_kv_bytes(

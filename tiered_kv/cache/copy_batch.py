@@ -10,6 +10,9 @@ the same direction, indices (and storage keys) concatenated in the order they ca
 - Device -> host writes of the requests finished together: one copy of every layer.
 - Host -> storage backups acknowledged in one poll: one store transaction per ``batch_pages``
   pages instead of one (and its fixed cost) per node.
+- Storage -> host prefetches of requests begun together: one job of one segment per request
+  (``TransferJob.segments``), so each request's chain stops at its own first missing page and
+  its part gets its own leading pages (``TransferResult.segment_pages``).
 
 The merged job has its own id; its result is handed to each part's own job, so every part keeps
 its handler, locks and pending marks, and all parts share one fate: a merged job that fails or
@@ -33,13 +36,17 @@ _KINDS = {
     Direction.HOST_TO_DEVICE: PendingKind.LOAD,
     Direction.DEVICE_TO_HOST: PendingKind.WRITE,
     Direction.HOST_TO_STORAGE: PendingKind.BACKUP,
+    Direction.STORAGE_TO_HOST: Direction.STORAGE_TO_HOST,  # the prefetcher's jobs' kind
 }
 
 
 def _merge(job_id: JobId, direction: Direction, parts: list[TransferJob]) -> TransferJob:
     host = torch.cat([p.host_indices for p in parts])
+    keys = [k for p in parts for k in p.keys]
     if direction is Direction.HOST_TO_STORAGE:
-        return TransferJob.backup(job_id, [k for p in parts for k in p.keys], host)
+        return TransferJob.backup(job_id, keys, host)
+    if direction is Direction.STORAGE_TO_HOST:
+        return TransferJob.prefetch(job_id, keys, host, [p.num_pages for p in parts])
     device = torch.cat([p.device_indices for p in parts])
     if direction is Direction.HOST_TO_DEVICE:
         return TransferJob.load(job_id, host, device)
@@ -58,7 +65,8 @@ class CopyBatch:
         self._open = False
         self._parts: list[TransferJob] = []
         self._merged_into: dict[JobId, JobId] = {}  # part -> merged job, while it is in flight
-        self._members: dict[JobId, list[tuple[JobId, int]]] = {}  # merged -> (part, size)
+        # merged -> (part, slots, pages) of each part
+        self._members: dict[JobId, list[tuple[JobId, int, int]]] = {}
 
     @property
     def is_open(self) -> bool:
@@ -94,27 +102,49 @@ class CopyBatch:
         if len(parts) == 1:
             return self._submit(parts[0])
         merged = self._jobs.new(_KINDS[self.direction], None, self._fan_out)
-        self._members[merged] = [(p.job_id, len(p.host_indices)) for p in parts]
+        self._members[merged] = [(p.job_id, len(p.host_indices), p.num_pages) for p in parts]
         for p in parts:
             self._merged_into[p.job_id] = merged
         return self._submit(_merge(merged, self.direction, parts))
 
     def _fan_out(self, _job: Job, result: TransferResult) -> None:
         members = self._members.pop(result.job_id)
-        total = sum(n for _, n in members) or 1
-        page = -1 if not result.num_pages else sum(n for _, n in members) // result.num_pages
-        for part, size in members:
+        total = sum(n for _, n, _ in members) or 1
+        done = _pages_done(result, [pages for _, _, pages in members])
+        for i, (part, size, pages) in enumerate(members):
             del self._merged_into[part]
-            pages = size // page if page > 0 else 0
+            ok, got, nbytes = result.ok, pages if result.ok else 0, result.nbytes * size // total
+            if done is not None:  # a prefetch: each part has its own leading pages
+                got = done[i]
+                ok, nbytes = got == pages, _share(result, got)
             self._jobs.deliver(
                 TransferResult(
                     part,
                     result.direction,
-                    result.ok,
-                    result.nbytes * size // total,
+                    ok,
+                    nbytes,
                     result.seconds,
-                    pages if result.ok else 0,
+                    got,
                     pages,
                     None,  # the merged job's own delivery counted its error, once
                 )
             )
+
+
+def _pages_done(result: TransferResult, pages: list[int]) -> list[int] | None:
+    """A merged prefetch's leading pages per part: the worker's per-segment counts, or, from a
+    worker that read the keys as one chain, its leading pages shared out in order. None for
+    the other directions (a part's pages are all done or none)."""
+    if result.direction is not Direction.STORAGE_TO_HOST:
+        return None
+    if len(result.segment_pages) == len(pages):
+        return list(result.segment_pages)
+    left, out = result.pages_done, []
+    for n in pages:
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
+
+
+def _share(result: TransferResult, pages: int) -> int:
+    return result.nbytes * pages // result.pages_done if result.pages_done else 0

@@ -22,7 +22,7 @@ import threading
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tiered_kv.cache import lifecycle, verify
+from tiered_kv.cache import batch_begin, lifecycle, verify
 from tiered_kv.cache.build import build_cache_parts
 from tiered_kv.cache.prom import cache_registry, register_cache
 from tiered_kv.cache.request import (
@@ -35,7 +35,7 @@ from tiered_kv.cache.request import (
 from tiered_kv.cache.serialized import serialized
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.req_to_token_pool import RequestKV
-from tiered_kv.device.write_loc import KVWriteLoc
+from tiered_kv.device.write_loc import write_loc_of
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import extra_key_prior
 
@@ -86,44 +86,19 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
 
     @serialized
     def begin_many(self, prompts, extra_keys=None) -> list[Request]:
-        """``begin`` for a batch whose forward runs together: the host hits of all of them
-        are loaded back as one layer-wise job (one plan, one wait per layer for the whole
-        batch), and the layer waits follow that batch. ``extra_keys``: None, or one per prompt
-        (see ``begin``). Every prompt, key and free request row is checked first."""
+        """``begin`` for a batch whose forward runs together: the storage hits of all of them
+        are fetched as one storage job (each request's chain stopping at its own first
+        missing page; one wait, ``prefetch_wait_s`` of the tokens it reads), the host hits
+        loaded back as one layer-wise job (one plan, one wait per layer for the whole batch),
+        and the layer waits follow that batch. ``extra_keys``: None, or one per prompt (see
+        ``begin``). Every prompt, key and free request row is checked first."""
         self._check_open()
         prompts = [self._prompt(t) for t in prompts]
         extra_keys, priors = batch_identities(len(prompts), extra_keys)
         if not prompts:
             return []
         self._check_rows(len(prompts))
-        # The batch's forward follows its merged load only: earlier loads must have landed.
-        self.manager.chain_loads.settle_older()
-        reqs: list[Request] = []
-        batch = self.manager.load_batch
-        batch.open()
-        try:
-            for tokens, key, prior in zip(prompts, extra_keys, priors, strict=True):
-                reqs.append(self._begin_one(tokens, key, prior))
-            if not batch.flush():
-                # Refused (a closed worker): as in ``begin``, the host parts become misses.
-                self.manager.poll()
-                for i, r in enumerate(reqs):
-                    if self.manager.holds_stale(r.node):
-                        self.abort(r)
-                        reqs[i] = self._begin_one(prompts[i], extra_keys[i], priors[i])
-        except BaseException:
-            try:
-                if batch.is_open:
-                    batch.flush()  # what was set up is submitted (or failed), then released
-            finally:
-                for r in reqs:
-                    if not r.finished:
-                        self.abort(r)
-            raise
-        for r in reqs:
-            self.metrics.hits.add(r.hits)
-        self._follow(reqs)
-        return reqs
+        return batch_begin.begin_many(self, prompts, extra_keys, priors)
 
     def _prompt(self, tokens) -> list[int]:
         return prompt_ids(tokens, self.config.device.max_context_len)
@@ -131,7 +106,10 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
     def _check_rows(self, n: int) -> None:
         check_rows_free(n, self.req_to_token.available_size(), self.config.device.max_requests)
 
-    def _begin_one(self, tokens: list[int], extra_key=None, prior: bytes = b"") -> Request:
+    def _begin_one(
+        self, tokens: list[int], extra_key=None, prior: bytes = b"", first=None
+    ) -> Request:
+        """One request's row and grant (``first``: its ``lifecycle.look_many`` look)."""
         kv = self.states.alloc_row() if self.states is not None else RequestKV()
         if kv is None or (self.states is None and self.req_to_token.alloc([kv]) is None):
             raise StateError(
@@ -146,6 +124,7 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
                 prefetch_wait=self.config.policies.prefetch_wait_s,
                 prior=prior,
                 plan=None if self.load_planner is None else self.load_planner.plan,
+                first=first,
             )
             if self.states is not None:  # the state at the prefix's end, or a shorter prefix
                 grant = self.states.settle(self.manager, grant, tokens[:-1], kv.mamba_pool_idx)
@@ -264,10 +243,9 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
     @serialized
     def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """The model's KV for ``slots`` of global layer ``layer_id``."""
-        # A sliding-window pool's window layers write at the same tokens' window slots.
-        to_window = getattr(self.allocator, "translate_loc_from_full_to_swa", None)
-        swa = to_window(slots.to(torch.int64)) if to_window is not None else None
-        self.device_pool.set_kv_buffer(layer_id, KVWriteLoc(slots, swa_loc=swa), k, v)
+        # Window layers write at the tokens' window slots; virtual ids through the plan.
+        loc = write_loc_of(self.allocator, self.device_pool, slots)
+        self.device_pool.set_kv_buffer(layer_id, loc, k, v)
 
     @serialized
     def write_index_k(self, layer_id: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
@@ -278,7 +256,7 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
                 f"this cache's {self.config.geometry.model} pool has no indexer cache; "
                 "write_index_k needs geometry model='dsa'"
             )
-        write(layer_id, KVWriteLoc(slots), index_k)
+        write(layer_id, write_loc_of(self.allocator, self.device_pool, slots), index_k)
 
     @serialized
     def finish(self, req: Request) -> None:

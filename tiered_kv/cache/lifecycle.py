@@ -6,6 +6,10 @@ the host part back to the device (one layer-wise job), and locks that prefix; ``
 inserts the request's whole pages, frees its duplicate and partial-page slots and unlocks;
 ``abort`` frees its own slots and unlocks without inserting. The facade wraps request rows
 around these; the simulator calls them on its counting fakes, so both run the same decisions.
+
+Requests begun together (``begin_many``) take ``begin`` in two steps: ``look_many`` matches
+every one of them and fetches all their storage hits as one storage job, then ``begin`` with
+each one's ``first`` look finishes it (a second look, the load-back, the lock).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from tiered_kv.cache.manager import CacheManager
 from tiered_kv.cache.metrics import RequestHits
+from tiered_kv.cache.prefetch import PrefetchOp
 from tiered_kv.cache.prefix_match import PrefixMatch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.tree.node import TreeNode
@@ -46,6 +51,7 @@ def begin(
     prefetch_wait: Callable[[int], float | None] = lambda tokens: None,
     prior: bytes = b"",
     plan: Callable[[PrefixMatch], int] | None = None,
+    first: FirstLook | None = None,
 ) -> PrefixGrant:
     """Lock the cached prefix of ``tokens`` on the device. A storage hit of at least
     ``prefetch_threshold`` tokens is prefetched (waiting ``prefetch_wait(hit tokens)``
@@ -53,23 +59,25 @@ def begin(
     computed instead. ``prompt_tokens``: the request's prompt length (for the hit counts).
     ``prior``: the request's identity; only pages written under the same one are matched.
     ``plan`` (``LoadPlanner.plan``): given the match, how many of its tokens to take (whole
-    pages, at least the device part); the rest is computed, nothing of it fetched or loaded."""
-    manager.poll()
-    m = manager.match_prefix(tokens, prior=prior)
-    if plan is not None:
-        m = _follow_plan(manager, m, tokens, plan, max(1, prefetch_threshold))
-    hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
-    if m.storage_hit_length >= max(1, prefetch_threshold):
-        op = manager.prefetcher.start(m, tokens)
-        gained = 0
-        if op is not None:
-            gained = manager.prefetcher.finish(op, prefetch_wait(m.storage_hit_length))
+    pages, at least the device part); the rest is computed, nothing of it fetched or loaded.
+    ``first``: this request's ``look_many`` result (its prefetch done with its batch's)."""
+    if first is None:
+        first = look(manager, tokens, prompt_tokens, prefetch_threshold, prior, plan)
+        if first.op is not None:
+            first.gained = manager.prefetcher.finish(
+                first.op, prefetch_wait(first.match.storage_hit_length)
+            )
+        again = tokens if first.fetched else None
+    else:  # ``look_many``'s: the batch's other requests changed the tree since the look
+        again = list(tokens)[: first.end]
+    m, hits = first.match, first.hits
+    if again is not None:
         # A second look at this request's prefix (no second hit), gained or not: the prefetch
         # acknowledged finished jobs, so a failed load may have made part of the first look
         # stale, and its release may have freed those device slots.
-        m = manager.match_prefix(tokens, check_storage=False, count_hit=False, prior=prior)
+        m = manager.match_prefix(again, check_storage=False, count_hit=False, prior=prior)
         hits.device = m.device_hit_length
-        hits.storage = min(gained, m.host_hit_length)  # attached at the end of the host part
+        hits.storage = min(first.gained, m.host_hit_length)  # at the end of the host part
         hits.host = m.host_hit_length - hits.storage
     node = m.last_node
     slots = m.device_indices
@@ -91,6 +99,73 @@ def begin(
     hits.missed = prompt_tokens - prefix
     hits.host = min(hits.host, prefix - hits.device)
     return PrefixGrant(node, slots, hits, load_slot, prior)
+
+
+@dataclass
+class FirstLook:
+    """``begin``'s first look at a request's prefix: the match (cut per the plan), the hits so
+    far, and its storage hit's prefetch, started (``op``) or not."""
+
+    match: PrefixMatch
+    hits: RequestHits
+    end: int  # tokens the grant may reach: device + host, + the storage hit if fetched
+    fetched: bool  # the storage hit was long enough to prefetch (a second look follows)
+    op: PrefetchOp | None = None
+    gained: int = 0  # tokens the prefetch attached
+
+
+def look(
+    manager: CacheManager,
+    tokens,
+    prompt_tokens: int,
+    threshold: int,
+    prior: bytes,
+    plan: Callable[[PrefixMatch], int] | None,
+) -> FirstLook:
+    """Match ``tokens`` (after acknowledging finished jobs), cut per ``plan``, and start the
+    prefetch of a storage hit of at least ``threshold`` tokens (held, while the prefetcher's
+    batch is open)."""
+    manager.poll()
+    m = manager.match_prefix(tokens, prior=prior)
+    if plan is not None:
+        m = _follow_plan(manager, m, tokens, plan, max(1, threshold))
+    hits = RequestHits(prompt_tokens, m.device_hit_length, m.host_hit_length, 0, 0)
+    fetched = m.storage_hit_length >= max(1, threshold)
+    end = m.device_hit_length + m.host_hit_length + (m.storage_hit_length if fetched else 0)
+    op = manager.prefetcher.start(m, tokens) if fetched else None
+    return FirstLook(m, hits, end, fetched, op)
+
+
+def look_many(
+    manager: CacheManager,
+    prompts: list[list[int]],
+    priors: list[bytes],
+    *,
+    prompt_tokens: list[int],
+    prefetch_threshold: int = 1,
+    prefetch_wait: Callable[[int], float | None] = lambda tokens: None,
+    plan: Callable[[PrefixMatch], int] | None = None,
+) -> list[FirstLook]:
+    """The first looks of requests begun together (``prompts``: each one's tokens to match,
+    ``prompt_tokens``: its prompt's length), their storage hits fetched as one job; pass each
+    to ``begin`` as ``first``. The batch waits ``prefetch_wait(tokens the job reads)``. Every
+    prefetch has ended (attached or freed, its locks returned) when this returns or raises."""
+    pf = manager.prefetcher
+    looks: list[FirstLook] = []
+    pf.open()
+    try:
+        for tokens, prior, n in zip(prompts, priors, prompt_tokens, strict=True):
+            looks.append(look(manager, tokens, n, prefetch_threshold, prior, plan))
+    except BaseException:
+        pf.flush()
+        pf.finish_many([lk.op for lk in looks if lk.op is not None], 0)
+        raise
+    pf.flush()
+    ops = [lk for lk in looks if lk.op is not None]
+    wait = prefetch_wait(sum(len(lk.op.host) for lk in ops)) if ops else 0
+    for lk, gained in zip(ops, pf.finish_many([lk.op for lk in ops], wait), strict=True):
+        lk.gained = gained
+    return looks
 
 
 def _follow_plan(

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from tiered_kv.cache.accounting import check_slots
+from tiered_kv.cache.accounting import check_slots, free_device_tokens
 from tiered_kv.cache.chain_load import ChainLoads
 from tiered_kv.cache.copy_batch import CopyBatch
 from tiered_kv.cache.eviction import Evictor
@@ -94,7 +94,7 @@ class CacheManager:
         self.prefetcher = Prefetcher(self, self.jobs, tree, host, host_storage, self.metrics)
         self.evictor = Evictor(self, tree, device, host, self.write_policy, self.metrics)
         self.evictor.states = states.ledger if states is not None else None
-        self._device0 = getattr(device, "full_available_size", device.available_size)()
+        self._device0 = free_device_tokens(device)
         self._host0 = host.available_size() if host is not None else 0
 
     # -- jobs -----------------------------------------------------------------------------------
@@ -220,11 +220,14 @@ class CacheManager:
         first tokens hold full KV only (``SlidingWindow.insert``). ``prior``: the request's
         identity (see ``match_prefix``)."""
         if windowless:
-            return self.window.insert(self, tokens, device_indices, windowless, prior)
-        dup, new, kept = self.tree.insert(tokens, device_indices, prior=prior)
-        if kept < len(device_indices):
-            self.device.free(device_indices[kept:])
-        self.written(new)
+            dup = self.window.insert(self, tokens, device_indices, windowless, prior)
+        else:
+            dup, new, kept = self.tree.insert(tokens, device_indices, prior=prior)
+            if kept < len(device_indices):
+                self.device.free(device_indices[kept:])
+            self.written(new)
+        if self.window is not None:
+            self.window.drop_adopted(self.tree, tokens, prior)
         return dup
 
     def written(self, new: list[TreeNode]) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from tiered_kv.cache.metrics import CacheMetrics, WindowCounters
 from tiered_kv.cache.prefix_match import StorageHit
 from tiered_kv.device.allocator.swa import SWATokenToKVPoolAllocator
@@ -162,11 +164,28 @@ class SlidingWindow:
             if n.windowless:
                 self.allocator.free_swa(n.device)
 
+    def drop_adopted(self, tree: TieredTree, tokens, prior: bytes = b"") -> None:
+        """Tombstones on the path of ``tokens`` that adopted an inserting request's slots
+        while host-only stay tombstones (their host copy and stored value hold full KV only):
+        the window slots they adopted go back, else the window side would hold slots no budget
+        and no eviction can see."""
+        to_window = self.allocator.translate_loc_from_full_to_swa
+        for node, _ in tree.match(tokens, probe=False, prior=prior).steps:
+            if node.windowless and node.on_device and not node.stale:
+                if bool((to_window(node.device.to(torch.int64)) > 0).any()):
+                    self.allocator.free_swa(node.device)
+
     def window_short(self, n: int) -> int:
         """How many more window slots ``n`` new tokens need than are free (page-rounded)."""
         ps = self.page_size
         need = -(-n // ps) * ps
         return need - self.allocator.swa_available_size()
+
+    def evictable_tokens(self, tree: TieredTree) -> int:
+        """Window slots ``evict_window`` could free now: those of unlocked cached nodes (the
+        scheduler's window budget)."""
+        roots = tree.roots.values()
+        return sum(len(n) for r in roots for n in _device_nodes(r) if _window_evictable(n))
 
     def evict_window(self, tree: TieredTree, num_tokens: int) -> int:
         """Tombstone unlocked cached nodes in the device policy's order until ``num_tokens``

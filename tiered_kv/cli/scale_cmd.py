@@ -26,7 +26,7 @@ from tiered_kv.cli.report import table, write_json
 from tiered_kv.engine.cost_model import COST_MODELS
 from tiered_kv.engine.presets import PRESETS
 from tiered_kv.engine.scale_run import MODES, TIERED, run_scale
-from tiered_kv.engine.scale_workload import PRESET_COST_MODELS, ScaleConfig, sizes
+from tiered_kv.engine.scale_workload import PRESET_COST_MODELS, PRESET_SCALES, ScaleConfig, sizes
 from tiered_kv.engine.synthetic_model import LinkModel
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
@@ -36,8 +36,9 @@ HELP = (
     "recompute vs tiered with the load planner (synthetic KV, modeled compute)"
 )
 _D = ScaleConfig()
-FULL_ATTENTION = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA)  # what the scheduler serves
-SERVED = tuple(p for p, v in PRESETS.items() if v.to_geometry().model in FULL_ATTENTION)
+# What the batched scheduler serves: full attention, sliding-window and hybrid-linear caches.
+SERVED_KINDS = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA, ModelKind.SWA, ModelKind.HYBRID_LINEAR)
+SERVED = tuple(p for p, v in PRESETS.items() if v.to_geometry().model in SERVED_KINDS)
 
 
 def _positive_float(text: str) -> float:
@@ -53,7 +54,13 @@ def _positive_float(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (lengths in tokens, each multiplied by --scale)")
     w.add_argument("--preset", default=_D.preset, choices=SERVED, help="KV geometry")
-    w.add_argument("--scale", type=_positive_float, default=_D.scale)
+    by_scale = ", ".join(f"{p} {v:g}" for p, v in PRESET_SCALES.items())
+    w.add_argument(
+        "--scale",
+        type=_positive_float,
+        default=None,
+        help=f"None: the preset's ({by_scale}; else 1)",
+    )
     w.add_argument("--users", type=positive_int, default=_D.users)
     w.add_argument("--active-users", type=positive_int, default=_D.active_users)
     w.add_argument("--docs", type=positive_int, default=_D.docs, help="user u reads doc u %% docs")
@@ -118,8 +125,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     s = sizes(cfg)
+    held = ""
+    if s.device_window_tokens:
+        held = f"; window side {s.device_window_tokens} tokens"
+    if s.state_bytes:
+        held = f"; {s.state_bytes / 2**20:.1f} MiB of state per request"
     print(
-        f"{cfg.model_preset.name} ({s.bytes_per_token >> 10} KiB/token), working set "
+        f"{cfg.model_preset.name} at scale {cfg.scale:g} ({s.bytes_per_token >> 10} KiB/token "
+        f"over every layer that keeps KV{held}), working set "
         f"{s.working_set_tokens} tokens ({s.working_set_tokens * s.bytes_per_token / 2**30:.2f} "
         f"GiB); device {s.device_tokens} tokens "
         f"({100 * s.device_tokens / s.working_set_tokens:.0f}%), host {s.host_tokens} "
@@ -175,6 +188,9 @@ def print_report(res: dict) -> None:
         row("modeled tokens/s", lambda m: f"{m['modeled']['tokens_per_s']:.0f}"),
         row("modeled TTFT p50 ms", lambda m: f"{1e3 * m['modeled']['ttft_p50_s']:.1f}"),
         row("modeled TTFT p99 ms", lambda m: f"{1e3 * m['modeled']['ttft_p99_s']:.1f}"),
+        row("restored MiB / turn (every layer full)", lambda m: "{:.1f} ({:.1f})".format(
+            m["bytes"]["restored_per_turn"] / 2**20,
+            m["bytes"]["all_full_restored_per_turn"] / 2**20)),
         row("verified tokens", lambda m: m["verification"]["verified_tokens"]),
         row("mismatched tokens", lambda m: m["verification"]["mismatched_tokens"]),
         row("quarantined pages", lambda m: m["verification"]["quarantined_pages"]),
@@ -184,6 +200,7 @@ def print_report(res: dict) -> None:
     ]  # fmt: skip
     print()
     print(table(["", *modes], rows))
+    print_kv(res["kv"])
     for mode in (m for m in TIERED if m in r):
         t = r[mode]["transfers"]
         rows = [[d, v["bytes"] / 2**20, v["seconds"], v["gbps"], v["ops"]] for d, v in t.items()]
@@ -210,3 +227,28 @@ def print_report(res: dict) -> None:
     la = res.get("load_average") or {}
     print(f"wall {res['wall_s']:.1f} s; load average before {la.get('before')}, after "
           f"{la.get('after')} ({time.strftime('%H:%M:%S')})")  # fmt: skip
+
+
+def print_kv(kv: dict) -> None:
+    """What the cache holds and restores against the same model with every layer full."""
+    layers = f"{kv['full_layers']} full"
+    if kv["window_layers"]:
+        layers += f", {kv['window_layers']} window"
+    if kv["recurrent_layers"]:
+        layers += f", {kv['recurrent_layers']} recurrent"
+    kib = {k: kv[f"{k}_bytes_per_token"] / 1024 for k in ("full", "window", "all_full")}
+    print(
+        f"\nKV against the same model with every layer full attention ({kv['kind']}: {layers}; "
+        f"per token {kib['full']:.4g} KiB on full layers, {kib['window']:.4g} KiB on window "
+        f"layers, {kv['state_bytes'] / 2**20:.1f} MiB of state per request; every layer full: "
+        f"{kib['all_full']:.4g} KiB per token)"
+    )
+    rows = []
+    for label, name, per in (
+        ("device MiB per request", "device", "request"),
+        ("restored MiB per turn (tiered)", "restored", "turn"),
+    ):
+        if kv[f"{name}_per_{per}"] is not None:
+            here, full = kv[f"{name}_per_{per}"], kv[f"all_full_{name}_per_{per}"]
+            rows.append([label, here / 2**20, full / 2**20, f"{kv[f'{name}_saved']:.2f}x"])
+    print(table(["", "this model", "every layer full", "saved"], rows))

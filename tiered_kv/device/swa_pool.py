@@ -92,19 +92,15 @@ class SWAKVPool:
             if swa_req_ring_size is None
             else check_positive_int("swa_req_ring_size", swa_req_ring_size)
         )
-        self.full_kv_pool = MHATokenToKVPool(
-            size, page_size, dtype, head_num, head_dim, len(full), device, v_head_dim=v_head_dim
-        )
-        self.swa_kv_pool = MHATokenToKVPool(
-            size_swa,
-            page_size,
-            dtype,
-            head_num if swa_head_num is None else swa_head_num,
-            head_dim if swa_head_dim is None else swa_head_dim,
-            len(swa),
-            device,
-            v_head_dim=v_head_dim if swa_head_dim is None else None,
-        )
+        self.full_kv_pool, self.swa_kv_pool = self._new_sub_pools(
+            (size, size_swa), page_size, dtype, (len(full), len(swa)), device,
+            full_heads=(head_num, head_dim, v_head_dim),
+            swa_heads=(
+                head_num if swa_head_num is None else swa_head_num,
+                head_dim if swa_head_dim is None else swa_head_dim,
+                v_head_dim if swa_head_dim is None else None,
+            ),
+        )  # fmt: skip
         if self.swa_req_ring_size is not None and size_swa % self.ring_cost:
             raise InvalidArgumentError(
                 f"size_swa={size_swa} must be request rows x ring cost {self.ring_cost} "
@@ -123,6 +119,24 @@ class SWAKVPool:
         }
         self.full_to_swa_index_mapping: torch.Tensor | None = None
         self.layer_transfer_counter = None
+
+    def _new_sub_pools(
+        self,
+        sizes: tuple[int, int],
+        page_size: int,
+        dtype: torch.dtype,
+        layer_nums: tuple[int, int],
+        device: str | torch.device | None,
+        *,
+        full_heads: tuple[int, int, int | None],
+        swa_heads: tuple[int, int, int | None],
+    ) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
+        """The full and window sub-pools, each with buffers of its own (a subclass may have
+        them share one buffer). ``*_heads``: (head_num, head_dim, v_head_dim)."""
+        return tuple(
+            MHATokenToKVPool(size, page_size, dtype, h, d, n, device, v_head_dim=dv)
+            for size, n, (h, d, dv) in zip(sizes, layer_nums, (full_heads, swa_heads), strict=True)
+        )
 
     # -- geometry ---------------------------------------------------------------------------
     @property

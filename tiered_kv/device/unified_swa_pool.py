@@ -12,8 +12,11 @@ Callers hold virtual ids, so the pool takes only physical write locs
 refused rather than written at ids that name another token's slots. Layer ids, waits, reads
 and the host declarations (``full`` and ``swa``) are the ``SWAKVPool``'s.
 
-Each sub-pool's per-layer buffers span the whole range (each side may grow to all of it):
-the budget is shared in pages, not in bytes (see docs/device_tier.md).
+By default each sub-pool's per-layer buffers span the whole range (each side may grow to all
+of it): the budget is shared in pages, not in bytes. With ``share_bytes`` both sides' layers are
+views of one ``SharedKVBuffer`` of ``max(full layers, window layers)`` layer slabs: a physical
+page holds full-layer KV while the full side owns it and window-layer KV while the window side
+does, so the pool holds the bytes of the larger side only (see docs/device_tier.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_kv import platform
 from tiered_kv._checks import check_positive_int
+from tiered_kv.device.mha_pool import MHATokenToKVPool
+from tiered_kv.device.shared_kv_buffer import SharedKVBuffer, SharedMHAPool
 from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.device.write_loc import KVWriteLoc, write_loc_is_physical
 from tiered_kv.errors import InvalidArgumentError, PhysicalWriteLocError
@@ -47,15 +53,59 @@ class UnifiedSWAKVPool(SWAKVPool):
         v_head_dim: int | None = None,
         swa_head_num: int | None = None,
         swa_head_dim: int | None = None,
+        share_bytes: bool = False,
     ) -> None:
+        if not isinstance(share_bytes, bool):
+            raise InvalidArgumentError(f"share_bytes must be True or False, got {share_bytes!r}")
         self.num_pages = check_positive_int("num_pages", num_pages)
         size = num_pages * check_positive_int("page_size", page_size)
+        self.shared: SharedKVBuffer | None = None
+        self._share_bytes = share_bytes
         super().__init__(
             size, size, page_size, dtype, head_num, head_dim, full_attention_layer_ids,
             swa_attention_layer_ids, device, v_head_dim=v_head_dim, swa_head_num=swa_head_num,
             swa_head_dim=swa_head_dim,
         )  # fmt: skip
         self.allocator = None
+
+    def _new_sub_pools(
+        self,
+        sizes: tuple[int, int],
+        page_size: int,
+        dtype: torch.dtype,
+        layer_nums: tuple[int, int],
+        device: str | torch.device | None,
+        *,
+        full_heads: tuple[int, int, int | None],
+        swa_heads: tuple[int, int, int | None],
+    ) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
+        if not self._share_bytes:
+            return super()._new_sub_pools(
+                sizes, page_size, dtype, layer_nums, device, full_heads=full_heads,
+                swa_heads=swa_heads,
+            )  # fmt: skip
+        full, swa = ((h, d, d if dv is None else dv) for h, d, dv in (full_heads, swa_heads))
+        if full != swa:
+            raise InvalidArgumentError(
+                f"share_bytes needs the same heads on both sides; full layers have (head_num, "
+                f"head_dim, v_head_dim)={full}, window layers {swa}. Build with "
+                "share_bytes=False (the sides then keep buffers of their own)"
+            )
+        rows = sizes[0] + page_size
+        self.shared = SharedKVBuffer(
+            rows, max(layer_nums), *full, dtype, platform.resolve_device(device)
+        )
+        return tuple(
+            SharedMHAPool(self.shared, size, page_size, dtype, n, device)
+            for size, n in zip(sizes, layer_nums, strict=True)
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the pool owns: the one shared buffer, or each sub-pool's layers."""
+        return [self.shared.buffer] if self.shared is not None else super().buffers()
+
+    def get_kv_size_bytes(self) -> int:
+        return self.shared.nbytes if self.shared is not None else super().get_kv_size_bytes()
 
     def attach_allocator(self, allocator) -> None:
         """The unified allocator whose tables ``translate_loc_from_full_to_swa`` reads."""

@@ -87,3 +87,18 @@ def as_write_loc(loc_info: KVWriteLoc | torch.Tensor) -> KVWriteLoc:
 
 def write_loc_is_physical(loc_info: KVWriteLoc | torch.Tensor) -> bool:
     return isinstance(loc_info, KVWriteLoc) and loc_info.physical
+
+
+def write_loc_of(allocator: Any, pool: Any, slots: torch.Tensor) -> KVWriteLoc:
+    """The write loc of ``slots``, ids as ``allocator`` hands them out: its physical plan where
+    ``pool`` takes physical locs only (virtual ids: a unified sliding-window pool), the device
+    slots of logical ids (a HiSparse allocator's), else the slots themselves with their window
+    slots where the allocator has a full -> window table."""
+    ids = slots.to(torch.int64)
+    to_device = getattr(allocator, "logical_to_device", None)
+    if to_device is not None:  # HiSparse: logical ids, their device rows through the table
+        return KVWriteLoc(to_device[ids])
+    if pool.requires_physical_write_loc:
+        return allocator.plan(ids)
+    to_window = getattr(allocator, "translate_loc_from_full_to_swa", None)
+    return KVWriteLoc(slots, swa_loc=to_window(ids) if to_window is not None else None)

@@ -170,6 +170,9 @@ class SchedulerStats:
     # begun with the step's batch but no longer fitting with the prefix its begin locked (a
     # failed load, or a device prefix another's load evicted): back to the queue, unbegun
     admission_recheck_failed: int = 0
+    # nothing ran and the queue's head did not fit while copies in flight held pages: the
+    # step waited for them instead of spinning
+    idle_waits: int = 0
     draft_trees: int = 0  # speculative decoding: draft trees allocated
     draft_pages: int = 0  # and their pages
     prompt_tokens: int = 0  # over first admissions

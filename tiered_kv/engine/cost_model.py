@@ -100,6 +100,35 @@ COST_MODELS: dict[str, CostModel] = {
             "(~3.6 TB/s) = 4.2 ms per step, KV at the same rate",
         ),
         CostModel(
+            "h100-gemma-3-12b",
+            prefill_tokens_per_s=21_000.0,
+            decode_step_s=0.0094,
+            kv_read_bytes_per_s=2.5e12,
+            source="modeled: H100 SXM 989 TFLOP/s dense bf16 at ~50% MFU / 23.5 GFLOP per token "
+            "(11.8B text params) ~ 21k tokens/s; 23.5 GB of bf16 weights at ~2.5 TB/s (75% of "
+            "3.35 TB/s) = 9.4 ms per step, KV at the same rate",
+        ),
+        CostModel(
+            "h100-gemma-3-4b",
+            prefill_tokens_per_s=63_000.0,
+            decode_step_s=0.0031,
+            kv_read_bytes_per_s=2.5e12,
+            source="modeled: H100 SXM 989 TFLOP/s dense bf16 at ~50% MFU / 7.8 GFLOP per token "
+            "(3.9B text params) ~ 63k tokens/s; 7.8 GB of bf16 weights at ~2.5 TB/s = 3.1 ms "
+            "per step, KV at the same rate",
+        ),
+        CostModel(
+            "h200x2-qwen3-next-80b-a3b",
+            prefill_tokens_per_s=82_000.0,
+            decode_step_s=0.004,
+            decode_per_seq_s=0.00083,
+            kv_read_bytes_per_s=5.4e12,
+            source="modeled: 2 x H200 (160 GB of bf16 weights need two) at ~25% of 2 x 989 "
+            "TFLOP/s (MoE and linear-attention kernels) / 6 GFLOP per token (3B active) ~ 82k "
+            "tokens/s; decode 4 ms per step plus each sequence's own 3B active params (6 GB) "
+            "at ~7.2 TB/s = 0.83 ms, KV and state at 75% of 2 x 3.6 TB/s",
+        ),
+        CostModel(
             "h800x8-deepseek-v3",
             prefill_tokens_per_s=73_700.0,
             decode_step_s=0.05,

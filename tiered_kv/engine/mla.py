@@ -71,16 +71,30 @@ class TinyMLA(TinyLlama):
         return mask
 
     def _attention(self, i, p, h, positions, rows, end, base, chunk, kv) -> torch.Tensor:
+        q, latent = self._query_and_latent(p, h, positions, chunk)
+        kv.write(i, latent[rows], None)
+        stored, _ = kv.read(i, end)
+        stored = self._pad_keys(stored, end, base + chunk)  # (keys, 1, rank + rope)
+        mask = torch.arange(stored.shape[0])[None, :] > positions[:, None]
+        mask = self._mask_keys(i, p, h, mask, rows, end, base, chunk, kv)
+        return self._attend_latent(p, q, stored, mask, chunk)
+
+    def _query_and_latent(self, p, h, positions, chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's queries and what it stores per token: latent and RoPE key, ``(chunk, 1,
+        rank + rope)``."""
         c = self.cfg
         heads, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        rank = c.kv_lora_rank
         q = (h @ p["wq"]).view(chunk, heads, nope + rope)
         q = torch.cat([q[..., :nope], self._rope(q[..., nope:], positions)], dim=-1)
         latent = self._rms(h @ p["w_dkv"], p["kv_norm"])
         k_rope = self._rope((h @ p["w_kr"]).view(chunk, 1, rope), positions)
-        kv.write(i, torch.cat([latent[:, None, :], k_rope], dim=-1)[rows], None)
-        stored, _ = kv.read(i, end)
-        stored = self._pad_keys(stored, end, base + chunk)  # (keys, 1, rank + rope)
+        return q, torch.cat([latent[:, None, :], k_rope], dim=-1)
+
+    def _attend_latent(self, p, q, stored, mask, chunk) -> torch.Tensor:
+        """Attention of ``q`` over the stored latents (keys past ``mask`` hidden), projected."""
+        c = self.cfg
+        heads, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        rank = c.kv_lora_rank
         n_keys = stored.shape[0]
         c_kv, kr = stored[:, 0, :rank], stored[:, :, rank:]
         k = torch.cat(
@@ -88,9 +102,6 @@ class TinyMLA(TinyLlama):
         )
         v = (c_kv @ p["w_uv"]).view(n_keys, heads, c.v_head_dim)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(nope + rope)
-        pos_q = positions[:, None]
-        mask = torch.arange(n_keys)[None, :] > pos_q
-        mask = self._mask_keys(i, p, h, mask, rows, end, base, chunk, kv)
         probs = torch.softmax(scores.masked_fill(mask[None], float("-inf")), dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(chunk, heads * c.v_head_dim)
         return out @ p["wo"]

@@ -16,11 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tiered_kv.config import ModelGeometry
-from tiered_kv.device.dsa_pool import QUANT_BLOCK
+from tiered_kv.engine.kv_bytes import KVBytes
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.names import ModelKind
-
-STATE_DTYPE_BYTES = 4  # MambaPool keeps conv and temporal state in float32
 
 
 @dataclass(frozen=True)
@@ -107,6 +104,25 @@ PRESETS: dict[str, ModelPreset] = {
             full_layer_every=2,
         ),
         ModelPreset(
+            "gemma-3-12b",
+            "google/gemma-3-12b-it config.json (text_config): 48 layers, 8 KV heads x 256, "
+            "bf16, sliding_window 1024, sliding_window_pattern 6 (5 local : 1 global); "
+            "approximate: Gemma 3's global layers are (i + 1) % 6 == 0 (5, 11, ..., 47), here "
+            "layer i is full iff i % 6 == 0 (0, 6, ..., 42; the config's SWA rule): the same "
+            "8 full and 40 window layers, shifted",
+            model="swa", num_layers=48, head_num=8, head_dim=256, sliding_window=1024,
+            full_layer_every=6,
+        ),
+        ModelPreset(
+            "gemma-3-4b",
+            "google/gemma-3-4b-it config.json (text_config): 34 layers, 4 KV heads x 256, "
+            "bf16, sliding_window 1024, sliding_window_pattern 6; approximate: Gemma 3's 5 "
+            "global layers are (i + 1) % 6 == 0, here layer i is full iff i % 6 == 0 (the "
+            "config's SWA rule): 6 full and 28 window layers, one window layer too few",
+            model="swa", num_layers=34, head_num=4, head_dim=256, sliding_window=1024,
+            full_layer_every=6,
+        ),
+        ModelPreset(
             "qwen3-next-80b-a3b",
             "Qwen/Qwen3-Next-80B-A3B config.json: 48 layers, full attention every 4th "
             "((i + 1) % 4 == 0) with 2 KV heads x 256, Gated DeltaNet elsewhere (conv kernel "
@@ -137,38 +153,25 @@ def scaled(p: ModelPreset, layers: int | None = None, **changes: object) -> Mode
     return dataclasses.replace(p, name=f"{p.name}[{note}]", **changes)
 
 
-def _dtype_bytes(p: ModelPreset) -> int:
-    return p.to_geometry().torch_dtype.itemsize
+def kv_bytes(p: ModelPreset, page_size: int = 1) -> KVBytes:
+    """The byte arithmetic of ``p``'s geometry (``kv_bytes.KVBytes``)."""
+    return KVBytes(p.to_geometry(), page_size)
 
 
 def kv_layer_ids(p: ModelPreset) -> list[int]:
     """The layers that keep per-token KV (all but a hybrid's recurrent ones)."""
-    g = p.to_geometry()
-    if g.model == ModelKind.HYBRID_LINEAR:
-        return g.hybrid_layer_ids()[0]
-    return list(range(g.num_layers))
+    b = kv_bytes(p)
+    return sorted(b.full_layers + b.window_layers)
 
 
 def bytes_per_token(p: ModelPreset) -> int:
     """KV bytes one token writes over every layer that keeps KV, as this cache stores them (a
     DSA model's indexer key with its scales included; an SWA model's window layers counted,
     though they keep only the last ``sliding_window`` tokens)."""
-    g, b = p.to_geometry(), _dtype_bytes(p)
-    layers = len(kv_layer_ids(p))
-    if g.model in (ModelKind.MLA, ModelKind.DSA):
-        per_layer = (g.kv_lora_rank + g.qk_rope_head_dim) * b
-        if g.model == ModelKind.DSA:
-            per_layer += g.index_head_dim + 4 * (g.index_head_dim // QUANT_BLOCK)
-        return layers * per_layer
-    return layers * g.head_num * (g.head_dim + (g.v_head_dim or g.head_dim)) * b
+    return kv_bytes(p).per_token
 
 
 def state_bytes(p: ModelPreset) -> int:
     """A hybrid model's recurrent state per request (conv history plus temporal state of every
     recurrent layer, float32); 0 for a model without recurrent layers."""
-    g = p.to_geometry()
-    if g.model != ModelKind.HYBRID_LINEAR:
-        return 0
-    conv, (h, dk, dv) = g.conv_state_shape(), g.temporal_state_shape()
-    per_layer = conv[0] * conv[1] + h * dk * dv
-    return len(g.hybrid_layer_ids()[1]) * per_layer * STATE_DTYPE_BYTES
+    return kv_bytes(p).state

@@ -27,6 +27,7 @@ verified byte for byte before its first forward.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine.batch_state import EngineRequest, SchedulePolicy, SchedulerConfig
 from tiered_kv.engine.cost_model import CostModel
-from tiered_kv.engine.presets import geometry
+from tiered_kv.engine.presets import geometry, kv_bytes
 from tiered_kv.engine.scale_workload import ScaleConfig, Sizes, Workload, sizes
 from tiered_kv.engine.scheduler import Scheduler
 from tiered_kv.engine.synthetic_kv import SyntheticKV
@@ -70,6 +71,7 @@ def run_mode(
     tiered = mode in TIERED
     config = TieredKVConfig.flat(
         **geometry(p), page_size=ps, device_tokens=s.device_tokens,
+        device_swa_tokens=s.device_window_tokens,
         host_tokens=s.host_tokens if tiered else 0, storage_bytes=s.storage_bytes if tiered else 0,
         storage_path=store_dir if tiered else None, model_id=f"{p.name}@synthetic",
         max_requests=cfg.max_running, max_context_len=s.longest_tokens + 2 * ps,
@@ -128,8 +130,9 @@ def _serve(cfg, mode, sched: Scheduler, model, clock: ModeledClock) -> list[dict
         if sched.step_count >= limit:
             raise StateError(f"the workload did not finish in {limit} scheduler steps")
         res = sched.step()
-        context = sum(len(live[i][1].prompt) + len(live[i][1].output) for i in res.decoded)
-        clock.advance(res, model.take_loaded(), context)
+        context = [len(live[i][1].prompt) + len(live[i][1].output) for i in res.decoded]
+        read = sum(model.bytes.read(n) for n in context)  # a window's, a state's bytes
+        clock.advance(res, model.take_loaded(), sum(context), read)
         if not (res.admitted or res.prefilled_tokens or res.decoded):
             # Nothing fit: the device is full of pages whose backups are still in flight (slow
             # CPU copies here). Wait for them rather than spin against the copying threads.
@@ -153,6 +156,8 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
     ttft = np.asarray([r["ttft_s"] for r in records])
     prompt = sum(r["prompt_tokens"] for r in records)
     generated = sum(r["new_tokens"] for r in records)
+    lengths = [r["prompt_tokens"] + r["new_tokens"] for r in records]
+    n = max(1, len(records))
     h = stats["hits"]
     total = clock.now
     return {
@@ -176,6 +181,13 @@ def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -
             "requests_per_s": len(records) / total if total else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+        },
+        "bytes": {  # KVBytes over this run's requests and restores (geometry, not measured)
+            "device_per_request": sum(model.bytes.device(x) for x in lengths) / n,
+            "all_full_device_per_request": sum(model.bytes.all_full_device(x) for x in lengths) / n,
+            "restored_tokens": model.restored_tokens,  # from host and storage
+            "restored_per_turn": model.restored_bytes / n,
+            "all_full_restored_per_turn": model.all_full_restored_bytes / n,
         },
         "transfers": stats["transfer"],
         "planner": stats["planner"],  # its decisions (zeros in the other modes), its estimates
@@ -207,9 +219,13 @@ def run_scale(
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="tiered-kv-run-", dir=cfg.store_dir) as d:
             results[mode] = run_mode(cfg, mode, d, on_restored=on_restored, on_cache=on_cache)
+        # A way's cache sits in reference cycles: without a collection its pools (7.8 GB for
+        # Qwen3-Next at scale 4) stay resident while the next way allocates its own.
+        gc.collect()
     return {
         "preset": {"name": cfg.model_preset.name, "source": cfg.model_preset.source,
-                   "bytes_per_token": s.bytes_per_token},
+                   "bytes_per_token": s.bytes_per_token, "scale": cfg.scale},
+        "kv": kv_report(cfg, results),
         "cost_model": {**dataclasses.asdict(cost), "label": CostModel.label},
         "links": dataclasses.asdict(cfg.links),
         "sizes": s._asdict(),
@@ -233,4 +249,41 @@ def gains(results: dict) -> dict:
         tm, bm = t["modeled"], b["modeled"]
         out[f"{prefix}throughput_vs_{base}"] = tm["tokens_per_s"] / bm["tokens_per_s"]
         out[f"{prefix}ttft_p50_vs_{base}"] = bm["ttft_p50_s"] / tm["ttft_p50_s"]
+    return out
+
+
+KV_RUN_KEYS = (
+    "device_per_request", "all_full_device_per_request", "device_saved",
+    "restored_per_turn", "all_full_restored_per_turn", "restored_saved",
+)  # fmt: skip
+
+
+def kv_report(cfg: ScaleConfig, results: dict) -> dict:
+    """What the preset's cache holds and restores against the same model with every layer full
+    attention (``kv_bytes.KVBytes``): per token and layer kind, and over the run's requests
+    (device bytes per request, as every mode serves the same ones) and the tiered mode's
+    restores from host and storage (bytes per turn); ``*_saved`` is all-full / this model."""
+    b = kv_bytes(cfg.model_preset, cfg.page_size)
+    out = {
+        "kind": b.kind.value,
+        "full_layers": len(b.full_layers),
+        "window_layers": len(b.window_layers),
+        "recurrent_layers": len(b.recurrent_layers),
+        "full_bytes_per_token": b.full_per_token,
+        "window_bytes_per_token": b.window_per_token,
+        "state_bytes": b.state,
+        "all_full_bytes_per_token": b.all_full_per_token,
+    }
+    out |= dict.fromkeys(KV_RUN_KEYS)  # None where the run gave nothing to count
+    mode = next((results[m] for m in ("tiered", *MODES) if m in results), None)
+    if mode is not None:
+        by = mode["bytes"]
+        out["device_per_request"] = d = by["device_per_request"]
+        out["all_full_device_per_request"] = full = by["all_full_device_per_request"]
+        out["device_saved"] = full / d if d else None
+    t = results.get("tiered", {}).get("bytes")
+    if t is not None and t["restored_per_turn"]:
+        out["restored_per_turn"] = r = t["restored_per_turn"]
+        out["all_full_restored_per_turn"] = full = t["all_full_restored_per_turn"]
+        out["restored_saved"] = full / r
     return out

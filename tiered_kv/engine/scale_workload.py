@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tiered_kv.engine.cost_model import CostModel, cost_model
-from tiered_kv.engine.presets import ModelPreset, bytes_per_token, preset
+from tiered_kv.engine.presets import ModelPreset, kv_bytes, preset
 from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LinkModel
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.names import ModelKind
 from tiered_kv.storage_config import StorageConfig
 
 PRESET_COST_MODELS = {
@@ -33,16 +32,24 @@ PRESET_COST_MODELS = {
     "qwen2.5-7b": "h200-qwen2.5-7b",
     "deepseek-v3": "h800x8-deepseek-v3",
     "deepseek-v3.2": "h800x8-deepseek-v3",  # V3's figures: the indexer's cost not modeled
+    "gemma-3-4b": "h100-gemma-3-4b",
+    "gemma-3-12b": "h100-gemma-3-12b",
+    "qwen3-next-80b-a3b": "h200x2-qwen3-next-80b-a3b",
 }
+# A preset's default ``scale`` where 1 would not show what its cache does: Gemma 3's window
+# (1024) is longer than every request at scale 1 (928 tokens at most), and a Qwen3-Next
+# request's 75 MiB state outweighs the KV of its full layers below about 3k tokens. Gemma 3
+# 12B stays at 1: at 384 KiB a token its scale-2 working set is 12.8 GiB (docs/serving_and_sim.md).
+PRESET_SCALES = {"gemma-3-4b": 2.0, "qwen3-next-80b-a3b": 4.0}
 
 
 @dataclass(frozen=True)
 class ScaleConfig:
-    """One scale run. ``preset``: a preset name or a :class:`ModelPreset` (full-attention
-    kinds only: mha, mla, dsa). Lengths in tokens before ``scale``."""
+    """One scale run. ``preset``: a preset name or a :class:`ModelPreset` (any kind the
+    scheduler serves: mha, mla, dsa, swa, hybrid_linear). Lengths in tokens before ``scale``."""
 
     preset: str | ModelPreset = "llama-3-8b"
-    scale: float = 1.0
+    scale: float | None = None  # None: the preset's default (``PRESET_SCALES``, else 1)
     users: int = 32
     active_users: int = 8
     docs: int = 16
@@ -72,6 +79,8 @@ class ScaleConfig:
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
             _need_int(name, getattr(self, name))
+        if self.scale is None:  # resolved once (frozen); a ``scaled`` copy's default is 1
+            object.__setattr__(self, "scale", PRESET_SCALES.get(self.model_preset.name, 1.0))
         ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
         if not ok or not 0 < self.scale < 1e4:
             raise InvalidArgumentError(f"scale={self.scale!r} must be a number in (0, 1e4)")
@@ -85,12 +94,6 @@ class ScaleConfig:
         if self.chunk_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={self.page_size}"
-            )
-        kind = self.model_preset.to_geometry().model
-        if kind not in (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA):
-            raise InvalidArgumentError(
-                f"preset {self.model_preset.name!r} is {kind}; the scheduler serves full "
-                "attention only (mha, mla, dsa presets such as llama-3-8b or deepseek-v3)"
             )
         _ = self.cost  # an unknown name raises, listing the valid ones
         StorageConfig(  # the backend's fields, checked as the cache will check them
@@ -128,14 +131,21 @@ def _need_int(name: str, v: object) -> None:
 class Sizes(NamedTuple):
     working_set_tokens: int  # unique tokens of the whole workload
     longest_tokens: int  # the longest request: prompt + answer
-    device_tokens: int
+    device_tokens: int  # full-side slots (every token holds one)
     host_tokens: int
     storage_bytes: int
-    bytes_per_token: int
+    bytes_per_token: int  # KV over every layer that keeps KV (window layers included)
+    device_window_tokens: int | None  # SWA: the window side's slots (None: no window layers)
+    state_bytes: int  # hybrid: one request's recurrent state (0: none)
+    device_bytes: int  # the device tier: full side, window side, state slots
 
 
 def sizes(cfg: ScaleConfig) -> Sizes:
-    """The tiers for ``cfg``'s workload (whole pages)."""
+    """The tiers for ``cfg``'s workload (whole pages), from what the cache holds per kind: the
+    full side gets ``device_fraction`` of the working set; an SWA model's window side room for
+    one request prefilling and the others decoding (each holds at most a window and a step,
+    ``KVBytes.window_held``), not a window per token; a hybrid's state slots are the cache's
+    default (4 per request), and the store has room for a snapshot per turn besides the KV."""
     ps = cfg.page_size
     turn = cfg.tokens("question_tokens") + cfg.tokens("answer_tokens")
     ws = (
@@ -150,8 +160,33 @@ def sizes(cfg: ScaleConfig) -> Sizes:
 
     device = max(pages(cfg.device_fraction * ws), pages(longest) + 4 * ps)  # + decode reserve
     host = device + pages(cfg.host_fraction * ws)  # write-through: it copies the device's too
-    bpt = bytes_per_token(cfg.model_preset)
-    return Sizes(ws, longest, device, host, int(ws * bpt * 1.5) + (64 << 20), bpt)
+    b = kv_bytes(cfg.model_preset, ps)
+    window = None
+    if b.window_layers:
+        # The scheduler's per-request peak (``budget.Budget.window_peak``): its window from the
+        # first page its next query reads, plus the step's new tokens and two pages.
+        w = cfg.model_preset.sliding_window
+
+        def peak(step: int) -> int:
+            return min(pages(longest), pages(w + step) + 2 * ps)
+
+        alone = pages(w + cfg.chunk_tokens) + 2 * ps  # what the scheduler asks of the pool
+        window = max(alone, peak(cfg.chunk_tokens) + (cfg.max_running - 1) * peak(1))
+    snapshots = cfg.users * cfg.rounds * 2 if b.state else 0  # a prefix's end, a retraction
+    store = ws * b.per_token + snapshots * b.state
+    state_slots = 4 * cfg.max_running if b.state else 0
+    device_bytes = device * b.full_per_token + (window or 0) * b.window_per_token
+    return Sizes(
+        ws,
+        longest,
+        device,
+        host,
+        int(store * 1.5) + (64 << 20),
+        b.per_token,
+        window,
+        b.state,
+        device_bytes + state_slots * b.state,
+    )
 
 
 class Workload:

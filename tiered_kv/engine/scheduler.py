@@ -14,10 +14,14 @@ policy); it waits again with ``prompt + output`` as its prompt, served from what
 cached. With speculative decoding in the cache's sizing, every decode step also allocates
 each request's draft tree (``draft_tree.DraftTrees``), counted in that step's budget. The model
 is chunk-aligned deterministic: every logit is the no-cache run's, bit for bit, however a
-request was split or retracted.
+request was split or retracted. Sliding-window and hybrid-linear caches are budgeted on their
+window and state sides too (``budget.Budget``); a hybrid forward reports its page boundaries
+(``track_state``) so retracted requests resume from a state snapshot.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,12 +37,27 @@ from tiered_kv.engine.batch_state import (
     admission_order,
     shared_len,
 )
+from tiered_kv.engine.budget import Budget, Need
 from tiered_kv.engine.draft_tree import DraftTrees
 from tiered_kv.engine.model import TinyLlama
 from tiered_kv.engine.prefix_probe import CachedPrefix, cached_prefix
 from tiered_kv.engine.serve import PagedKV
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import extra_key_prior
+
+IDLE_WAIT_S = 10.0  # at most this long per idle step for copies in flight
+
+
+def wait_for_copies(cache: TieredKVCache, stats: SchedulerStats) -> None:
+    """An idle step of a scheduler whose next request does not fit: if copies in flight hold
+    pages (a write to host locks its nodes until it lands), wait for them (at most
+    ``IDLE_WAIT_S``, counted in ``stats.idle_waits``) rather than spin idle steps (a step
+    budget would run out before a slow copy lands)."""
+    if not cache.manager.pending_ops():
+        return
+    stats.idle_waits += 1
+    cache.manager.wait_all(IDLE_WAIT_S)
+    cache.poll()
 
 
 class Scheduler:
@@ -47,19 +66,16 @@ class Scheduler:
             raise InvalidArgumentError(
                 f"config must be a SchedulerConfig, got {type(config).__name__}"
             )
-        if cache.states is not None or cache.manager.window is not None:
-            raise InvalidArgumentError(
-                "the scheduler drives full-attention caches only (no hybrid state or sliding "
-                "window yet); use Server for those"
-            )
         self.cache, self.model, self.config = cache, model, config
         self.page_size = cache.config.page_size
         config.check_against(self.page_size, cache.config.device.max_requests)
+        self.budget = Budget(cache, config.chunk_size)  # raises: a request could never fit
         alloc = cache.allocator
         self.drafts = DraftTrees(cache)
         reserve = config.decode_reserve_tokens
         self.reserve = self._paged(alloc.request_slot_reserve() if reserve is None else reserve)
-        self.capacity = alloc.available_size() + cache.tree.device_tokens  # no request holds
+        free = getattr(alloc, "full_available_size", alloc.available_size)  # every token's side
+        self.capacity = free() + cache.tree.device_tokens  # what no request holds
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
         self.finished: list[EngineRequest] = []
@@ -135,18 +151,12 @@ class Scheduler:
     def _paged(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    def _claim(self, r: EngineRequest) -> int:
-        """Pages ``r`` still needs for its prefill (in tokens)."""
-        return max(0, self._paged(len(r.target)) - self._paged(len(r.cache_req.tokens)))
+    def _claims(self) -> Need:
+        """What the running requests may still take (``budget.Budget.claim``)."""
+        return self.budget.claims(self.running)
 
-    def _claims(self) -> int:
-        return sum(self._claim(r) for r in self.running)
-
-    def _fits(self, tokens: int, locking: int = 0) -> bool:
-        """Whether ``tokens`` fit in the free pages plus what eviction could free, after
-        ``locking`` evictable tokens are locked by a request about to begin."""
-        evictable = max(0, self.cache.tree.evictable_device_tokens - locking)
-        return self.cache.allocator.prealloc_ceiling_fits(tokens, evictable)
+    def _fits(self, need: Need, locking: int = 0) -> bool:
+        return self.budget.fits(need, locking)
 
     # -- admission ----------------------------------------------------------------------------
     def _order(self) -> list[EngineRequest]:
@@ -164,29 +174,36 @@ class Scheduler:
         its begin really locked: one that no longer fits (a load failed, or another's load
         evicted its device prefix) and every one after it go back to the queue, unbegun."""
         chosen: list[tuple[EngineRequest, list[int]]] = []
-        committed = self._claims() + self.reserve * len(self.running)
-        base, locking = committed, 0
+        committed = self._claims() + Need(self.reserve * len(self.running))
+        base, locking, budget = committed, 0, self.budget
         for w in self._order():
-            if len(self.running) + len(chosen) >= self.config.max_running:
+            running = len(self.running) + len(chosen)
+            if running >= self.config.max_running or not budget.state_room(running + 1):
                 break
             tokens = w.prompt + w.output
             device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1], prior=w.prior)
             same = [t for c, t in chosen if c.prior == w.prior]  # only its identity's pages
             if self._defer(w, tokens, device + host, same):
                 continue
-            need = self._paged(len(tokens)) - device + self.reserve
+            need = budget.admission(w, len(tokens), device, host) + Need(self.reserve)
+            if not self.running and not chosen and budget.beyond_window_pool(need):
+                # Its host hit alone would take more window slots than the pool has: it could
+                # never be admitted. Alone on the device, its load back takes what the window
+                # pool has (or its host part is computed); nothing else's claim is at stake.
+                need = budget.admission(w, len(tokens), device, 0) + Need(self.reserve)
             if not self._fits(need + committed, locking=locking + unlocked):
                 break  # no skipping: the head waits for room (nothing starves behind it)
             chosen.append((w, tokens))
             committed, locking = committed + need, locking + unlocked
         if not chosen:
+            self._wait_if_idle()
             return ()
         reqs = self.cache.begin_many(
             [tokens for _, tokens in chosen], extra_keys=[w.extra_key for w, _ in chosen]
         )
         admitted, committed, full = [], base, False
         for (w, tokens), req in zip(chosen, reqs, strict=True):
-            need = self._paged(len(tokens)) - req.prefix_len + self.reserve
+            need = self.budget.admission(w, len(tokens), req.prefix_len, 0) + Need(self.reserve)
             full = full or not self._fits(need + committed)
             if full:
                 self.stats.admission_recheck_failed += 1
@@ -209,6 +226,11 @@ class Scheduler:
             self.stats.admitted += 1
             admitted.append(w.rid)
         return tuple(admitted)
+
+    def _wait_if_idle(self) -> None:
+        """Nothing runs and the head of the queue does not fit: wait for the copies in flight."""
+        if not self.running and self.waiting:
+            wait_for_copies(self.cache, self.stats)
 
     def _defer(self, w: EngineRequest, tokens: list[int], cached: int, chosen: list) -> bool:
         """Whether ``w`` should wait for a running request (or one chosen in this step) to
@@ -237,7 +259,22 @@ class Scheduler:
         except StateError:
             self.stats.overcommits += 1
             return None
-        logits = self.model.forward(torch.tensor(tokens), start, self._kv[r.rid], self.page_size)
+        extra = {}
+        if cache.states is not None:  # the state at every page boundary, for the snapshots
+            extra["on_boundary"] = functools.partial(cache.track_state, req)
+        try:
+            logits = self.model.forward(
+                torch.tensor(tokens), start, self._kv[r.rid], self.page_size, **extra
+            )
+        except Exception:
+            # A layer of its prefix load failed under the forward (the layer wait raised the
+            # copy's error): its prefix slots do not hold its KV. Anything else is a bug.
+            cache.drain()  # the failed load's result arrives once its last layer is done
+            if not cache.manager.holds_stale(req.node):
+                raise
+            self.stats.load_failures += 1
+            self._requeue(r, insert=False)
+            return None
         return logits[-1]
 
     def _emit(self, r: EngineRequest, logits: torch.Tensor) -> bool:
@@ -289,14 +326,14 @@ class Scheduler:
                 finished.append(r.rid)
         return total, tuple(finished)
 
-    def _decode_need(self, rs: list[EngineRequest]) -> int:
+    def _decode_need(self, rs: list[EngineRequest]) -> Need:
         """Slots one decode step takes: a page for each request whose last page is full,
         and with speculative decoding each one's draft tree after its new token."""
         ps, drafts = self.page_size, self.drafts
         need = sum(ps for r in rs if len(r.cache_req.tokens) % ps == 0)
         if drafts.enabled:
             need += sum(drafts.pages_for(len(r.cache_req.tokens) + 1) * ps for r in rs)
-        return need
+        return Need(need)
 
     def _decode(self, ready: set[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """One token for every request in ``ready`` (its prefill done before this step) still

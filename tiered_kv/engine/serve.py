@@ -61,8 +61,13 @@ class PagedKV:
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
         pool = self.cache.device_pool
+        alloc = self.cache.allocator
         if getattr(pool, "layers_mapping", {}).get(layer, (0, False))[1]:
-            idx = self.cache.allocator.translate_loc_from_full_to_swa(idx)  # a window layer
+            idx = alloc.translate_loc_from_full_to_swa(idx)  # a window layer
+        elif hasattr(alloc, "translate_kv_loc"):  # virtual ids: the full side's slots
+            idx = alloc.translate_kv_loc(idx)
+        elif hasattr(alloc, "logical_to_device"):  # HiSparse: logical ids, device rows
+            idx = alloc.logical_to_device[idx]
         k = pool.get_key_buffer(layer)[idx].to(self.dtype)
         if self.cache.config.geometry.model in (ModelKind.MLA, ModelKind.DSA):
             return k, None  # the latent holds both
@@ -89,6 +94,9 @@ class PagedKV:
 
     def read_index(self, layer: int, end: int) -> torch.Tensor:
         idx = self.cache.req_to_token.req_to_token[self.req.row, :end].to(torch.int64)
+        to_device = getattr(self.cache.allocator, "logical_to_device", None)
+        if to_device is not None:  # HiSparse: logical ids, device rows
+            idx = to_device[idx]
         return self.cache.device_pool.get_index_k(layer, idx)
 
 

@@ -163,12 +163,18 @@ class SyntheticKV:
     def _slots(self, cache: TieredKVCache, req: Request, start: int, end: int) -> torch.Tensor:
         return cache.req_to_token.req_to_token[req.row, start:end].to(torch.int64)
 
-    def write(self, cache: TieredKVCache, req: Request, start: int, end: int) -> None:
+    def write(
+        self, cache: TieredKVCache, req: Request, start: int, end: int, *, kept_only: bool = False
+    ) -> None:
         """Write the KV of positions ``start..end-1`` of ``req.tokens`` (slots from ``extend``)
         in every layer through ``cache.write_kv`` (and ``write_index_k`` for DSA). A hybrid
         model's state, as its forward would leave it: at each page boundary P in
         ``start+1..end`` the state at P in the request's state slot, then
-        ``cache.track_state(req, P)``; finally the state at ``end``."""
+        ``cache.track_state(req, P)``; finally the state at ``end``. ``kept_only``: only at the
+        boundaries the cache can keep a snapshot of (every ``state_snapshot_every`` pages, and
+        the last one, where a finish or a retraction takes its snapshot): a real model's state
+        is tens of MiB, and the others' tracking copies are overwritten before anything reads
+        them."""
         if not 0 <= start <= end <= len(req.tokens):
             raise InvalidArgumentError(
                 f"positions {start}..{end} are outside the request's 0..{len(req.tokens)}"
@@ -186,7 +192,12 @@ class SyntheticKV:
                 cache.write_index_k(layer, slots, self.index_k(digests, positions, layer))
         if not self.state_layers:
             return
-        for p in range(start // ps * ps + ps, end + 1, ps):
+        bounds = list(range(start // ps * ps + ps, end + 1, ps))
+        if kept_only and bounds:
+            every = cache.config.device.state_snapshot_every
+            kept = [p for p in bounds[:-1] if every and p // ps % every == 0]
+            bounds = [*kept, bounds[-1]]
+        for p in bounds:
             self._write_state(cache, req, digests[p - 1 - start], p)
             cache.track_state(req, p)
         if end % ps:
@@ -241,6 +252,8 @@ class SyntheticKV:
             if layer in self.window_layers:
                 lo = max(0, end - self.geometry.sliding_window + 1)
                 idx = cache.allocator.translate_loc_from_full_to_swa(full[lo:])
+            elif hasattr(cache.allocator, "translate_kv_loc"):  # virtual ids (unified SWA)
+                idx = cache.allocator.translate_kv_loc(full)
             want = self.kv_rows(digests[lo:], positions[lo:], layer)
             n, kb = len(idx), self.k_bytes
             got = pool.get_key_buffer(layer)[idx].reshape(n, -1).view(torch.uint8)

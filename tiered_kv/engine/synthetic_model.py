@@ -38,6 +38,7 @@ import torch
 from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.engine.batch_state import StepResult
 from tiered_kv.engine.cost_model import CostModel
+from tiered_kv.engine.kv_bytes import KVBytes
 from tiered_kv.engine.serve import PagedKV
 from tiered_kv.engine.synthetic_kv import SyntheticKV
 from tiered_kv.errors import InvalidArgumentError
@@ -62,6 +63,11 @@ class LoadedTokens:
 
     host: int = 0
     storage: int = 0
+    # The bytes those restores move (``KVBytes.restored``: a window's KV and a hybrid's state
+    # snapshot included; a storage hit's, the prefix's end, carries the snapshot). 0: tokens x
+    # the clock's bytes per token.
+    host_bytes: int = 0
+    storage_bytes: int = 0
     # Tokens verification made the engine compute: a sampled prefix recomputed to compare, and
     # what a cut took back (charged as prefill: ``ModeledClock.verify_s``).
     verify: int = 0
@@ -86,24 +92,26 @@ class SyntheticModel:
     ) -> None:
         if not isinstance(kv, SyntheticKV):
             raise InvalidArgumentError(f"kv must be a SyntheticKV, got {type(kv).__name__}")
-        if kv.state_layers or kv.window_layers:
-            raise InvalidArgumentError(
-                "SyntheticModel drives full-attention geometries only (as the scheduler does)"
-            )
         self.cache, self.kv, self.write, self.on_restored = cache, kv, write, on_restored
         self.embed = _Embed(kv.dtype)
         self.page_size = cache.config.page_size
+        self.bytes = KVBytes(cache.config.geometry, self.page_size)
         self.restores = self.verified_tokens = self.mismatched_tokens = 0
+        # What the restores from host and storage moved, and would move with every layer full
+        self.restored_tokens = self.restored_bytes = self.all_full_restored_bytes = 0
         self.computed_tokens = self.recomputed_tokens = 0
         if write:  # else nothing ever reads the KV (and none is written to check)
             cache.set_verifier(self._verify)
         self.loaded = LoadedTokens()  # since the last ``take_loaded``
 
-    def forward(self, tokens: torch.Tensor, start: int, kv: PagedKV, chunk: int) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, start: int, kv: PagedKV, chunk: int, *, on_boundary=None
+    ) -> torch.Tensor:
         """Forward positions ``start .. start + len(tokens) - 1`` of ``kv.req`` (their slots
         already allocated by ``extend``): the KV of every page they complete is written;
         (1, VOCAB_SIZE) logits for the last position. The first call for a request first
-        verifies its restored prefix (``0 .. start``). ``chunk`` is unused (no arithmetic)."""
+        verifies its restored prefix (``0 .. start``). ``chunk`` is unused (no arithmetic);
+        ``on_boundary`` too: a hybrid's state is tracked by ``SyntheticKV.write`` itself."""
         req = kv.req
         end = start + len(tokens)
         if end != len(req.tokens):
@@ -118,7 +126,7 @@ class SyntheticModel:
         written = req.extra.get(_WRITTEN, start)
         full = end - end % self.page_size
         if self.write and full > written:
-            self.kv.write(self.cache, req, written, full)
+            self.kv.write(self.cache, req, written, full, kept_only=True)
             req.extra[_WRITTEN] = full
         self.computed_tokens += end - start
         logits = torch.zeros(1, VOCAB_SIZE)
@@ -126,12 +134,33 @@ class SyntheticModel:
         return logits
 
     def _check_restored(self, req: Request, start: int) -> None:
-        self.loaded.host += req.hits.host
-        self.loaded.storage += req.hits.storage
+        hits = req.hits
+        self.loaded.host += hits.host
+        self.loaded.storage += hits.storage
+        restored = hits.host + hits.storage
+        if restored:
+            prefix = hits.device + restored
+            moved = self.bytes.restored(prefix, restored)
+            stored = self.bytes.restored(prefix, hits.storage)  # the prefix's end, its state
+            self.loaded.host_bytes += moved - stored
+            self.loaded.storage_bytes += stored
+            self.restored_tokens += restored
+            self.restored_bytes += moved
+            self.all_full_restored_bytes += self.bytes.all_full_restored(restored)
         if req.prefix_len == 0:
             return
         self.restores += 1
-        if not self.cache.verify_restored(req):  # cut back: its KV is written from there
+        cache = self.cache
+        if len(req.tokens) > req.prefix_len and (
+            cache.states is not None or cache.manager.window is not None
+        ):
+            # The scheduler extends before the first forward, and the cache can only cut a
+            # hybrid or sliding-window request back before it (its state and window KV would
+            # have to be taken back too): check the bytes here, counted, not quarantined.
+            if self.write and cache.verifier.sample():
+                self._verify(req)
+            return
+        if not cache.verify_restored(req):  # cut back: its KV is written from there
             req.extra[_WRITTEN] = req.prefix_len
             self.recomputed_tokens += start - req.prefix_len
             self.loaded.verify += start - req.prefix_len
@@ -183,9 +212,11 @@ class LinkModel:
     def link_loads(
         self, loaded: LoadedTokens, bytes_per_token: int
     ) -> tuple[tuple[Direction, int, float], ...]:
-        """(direction, bytes, modeled seconds) on each link ``loaded`` crosses."""
-        to_device = (loaded.host + loaded.storage) * bytes_per_token
-        to_host = loaded.storage * bytes_per_token
+        """(direction, bytes, modeled seconds) on each link ``loaded`` crosses (its bytes, or
+        where it gives none its tokens x ``bytes_per_token``)."""
+        host = loaded.host_bytes or loaded.host * bytes_per_token
+        to_host = loaded.storage_bytes or loaded.storage * bytes_per_token
+        to_device = host + to_host
         return (
             (Direction.HOST_TO_DEVICE, to_device, to_device / self.host_to_device_bytes_per_s),
             (Direction.STORAGE_TO_HOST, to_host, to_host / self.storage_to_host_bytes_per_s),
@@ -209,16 +240,25 @@ class ModeledClock:
         # observations in a run where the links are modeled: ``link_stats``).
         self._moved = {d: DirectionStats() for d in _LINKS}
 
-    def advance(self, step: StepResult, loaded: LoadedTokens, decode_context_tokens: int) -> float:
+    def advance(
+        self,
+        step: StepResult,
+        loaded: LoadedTokens,
+        decode_context_tokens: int,
+        decode_kv_bytes: int | None = None,
+    ) -> float:
         """Charge one step: its computed prompt tokens, one decode step of its decoded batch
-        reading ``decode_context_tokens`` tokens of KV, and its loads; the prefill of what its
+        reading ``decode_context_tokens`` tokens of KV (``decode_kv_bytes`` when given: a
+        window's or a state's bytes are not per token), and its loads; the prefill of what its
         verification recomputed (``loaded.verify``) goes to ``verify_s``, not onto the clock.
         Returns the new time."""
         self.idle_steps += not (step.admitted or step.prefilled_tokens or step.decoded)
         prefill = self.cost.prefill_s(step.prefilled_tokens)
         decode = 0.0
         if step.decoded:
-            kv_bytes = decode_context_tokens * self.bytes_per_token
+            kv_bytes = decode_kv_bytes
+            if kv_bytes is None:
+                kv_bytes = decode_context_tokens * self.bytes_per_token
             decode = self.cost.decode_s(len(step.decoded), kv_bytes)
         load = self.links.load_s(loaded, self.bytes_per_token)
         for direction, nbytes, seconds in self.links.link_loads(loaded, self.bytes_per_token):

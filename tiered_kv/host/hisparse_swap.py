@@ -10,16 +10,18 @@ recently used first) when no slot is free.
 
 Residency is per layer: each layer's indexer selects its own tokens, so buffer slot ``j``
 holds different tokens in different layers. The allocator's ``logical_to_device`` table,
-which has one device slot per token, therefore names a swapped token's slot only while its
-copy runs: ``swap_in`` sets the entries, calls the host pool's ``load_to_device_per_layer``
-(which translates them through ``translate_kv_indices_for_transfer``, as every transfer
-does) and clears them. Only the newest token keeps its entry (the reserved slot, written by
-the model) until ``commit_token`` has backed it up.
+which has one device slot per token, cannot say that: a swap-in does not go through it (nor
+through the host pool's general ``load_to_device_per_layer``, whose translation, validation
+and plan building cost ~1 ms per layer call). Its copy goes straight from the tokens' host
+slots (each written by a validated backup, in ``admit`` or ``commit_token``) into physical
+slots of the request's own buffer, one :class:`LayerRowLoader` call per layer, and the
+bookkeeping is a few numpy operations over the buffer's slots. Only the newest token has a
+table entry (the reserved slot, written by the model) until ``commit_token`` has backed it up.
 
 A slot is marked as holding a token only after that token's copy returned: a copy that
-raises (or a translation that refuses) leaves every token of it non-resident - a counted
-miss reported in ``SwapIn.failed``, with device slot 0 (the padding sink), never another
-token's bytes. The tokens that the slots held before were already dropped.
+raises leaves every token of it non-resident - a counted miss reported in ``SwapIn.failed``,
+with device slot 0 (the padding sink), never another token's bytes. The tokens that the slots
+held before were already dropped.
 
 Scoring reads the indexer keys of every token from the device (``HiSparseIndexKeys``: they
 are ~10% of the latent's bytes, and reading them from host every step would move every
@@ -31,17 +33,21 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tiered_kv._checks import check_index_tensor, check_positive_int
 from tiered_kv.device.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+from tiered_kv.device.dsa_pool import dequantize_index_k
 from tiered_kv.device.hisparse_index import HiSparseIndexKeys
 from tiered_kv.device.mla_pool import MLATokenToKVPool
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.host.host_kv_cache import HostKVCache
+from tiered_kv.host.layer_rows import MODES, LayerRowLoader
 from tiered_kv.host.pool_group import HostPoolGroup
 
 _CPU = torch.device("cpu")
+_NONE = torch.empty(0, dtype=torch.int64)  # SwapIn.failed when nothing failed
 HostPool = HostPoolGroup | HostKVCache  # DSA: the latent and indexer members; MLA: one pool
 
 
@@ -65,20 +71,31 @@ class HiSparseSwapper:
         host_slots: torch.Tensor,
         buffer: torch.Tensor,
         kept: int,
+        copy_mode: str = "auto",
     ) -> None:
         """Use :meth:`admit`: it validates, stages and takes the buffer."""
         self.allocator = allocator
         self.pool, self.host, self.index_keys = pool, host, index_keys
         self._latent = _latent_member(host)
+        self._rows = LayerRowLoader(self._latent, copy_mode)
         self.logical, self.host_slots = logical, host_slots  # by position, CPU int64
+        self._host_np = host_slots.numpy()  # shares memory with host_slots
         self.buffer = buffer  # device slots: buffer_size swap slots, then the reserved page
-        self._buffer_cpu = buffer.to(_CPU, torch.int64)  # for the bookkeeping
         self.buffer_size = buffer.numel() - allocator.page_size
         self.reserved = buffer[self.buffer_size :][:1]  # the newest token's device slot
+        ids = buffer.to(_CPU, torch.int64).numpy()
+        # By buffer index, the swap slots' device slots, then 0 (a failed token's -1 reads it)
+        self._slot_ids = np.append(ids[: self.buffer_size], 0)
+        self._reserved_id = int(ids[self.buffer_size])
+        self._arange = np.arange(self.buffer_size + 1, dtype=np.int64)
+        # Scratch by position, all -1 between calls, plus a sentinel that the -1 of an empty
+        # slot indexes; grown by begin_token.
+        self._where = np.full(max(16, 2 * logical.numel()) + 1, -1, dtype=np.int64)
         layers = pool.layer_num
         self.token_in = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
         self.token_in[:, :kept] = torch.arange(kept)  # prefill rows kept in place, all layers
         self.last_used = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
+        self._token_in, self._last_used = self.token_in.numpy(), self.last_used.numpy()
         self.newest: int | None = None
         self.clock = 0
         self.num_hits = self.num_loaded = self.num_failed = 0
@@ -95,14 +112,20 @@ class HiSparseSwapper:
         logical: torch.Tensor,
         host_slots: torch.Tensor,
         buffer_size: int,
+        *,
+        copy_mode: str = "auto",
+        backed_up: int = 0,
     ) -> HiSparseSwapper | None:
         """After a prefill wrote the request's tokens at their device slots (``logical``,
         each with a device slot): back every part up to ``host_slots``, copy the indexer
         rows into ``index_keys``, and turn the device slots into a buffer of ``buffer_size``
         slots (a multiple of the page size) plus a reserved page. The first prefill tokens
-        stay resident where their slots were kept. Returns None, with the device slots
-        untouched (their host copy made), when the device cannot hold the buffer. Raises
-        InvalidArgumentError / StateError on bad input before changing anything."""
+        stay resident where their slots were kept. ``copy_mode`` is how swap-in copies
+        (:class:`LayerRowLoader`: ``auto``, ``blocks``, ``numpy``, ``kernel``). Returns None,
+        with the device slots untouched (their host copy made), when the device cannot hold
+        the buffer. ``backed_up``: the first tokens whose host slots already hold them (a
+        prefix restored from the tree): not backed up again. Raises InvalidArgumentError /
+        StateError on bad input before changing anything."""
         p = allocator.page_size
         check_positive_int("buffer_size", buffer_size)
         if buffer_size % p:
@@ -119,8 +142,14 @@ class HiSparseSwapper:
                 "give every token of the request one of each (at least one token)"
             )
         _latent_member(host)  # raises when the host pool holds no latent
+        if copy_mode not in MODES:
+            raise InvalidArgumentError(f"copy_mode={copy_mode!r}; use one of {MODES}")
+        if type(backed_up) is not int or not 0 <= backed_up < logical.numel():
+            raise InvalidArgumentError(
+                f"backed_up={backed_up!r} must be an int in [0, {logical.numel()})"
+            )
         dev = allocator.translate_kv_indices_for_transfer(logical)  # raises: no device slot
-        host.backup_from_device_all_layer(pool, host_slots, logical)
+        host.backup_from_device_all_layer(pool, host_slots[backed_up:], logical[backed_up:])
         if index_keys is not None:
             index_keys.copy_from_device(logical, dev)
         buffer = allocator.alloc_device_buffer(logical, buffer_size + p)
@@ -129,7 +158,7 @@ class HiSparseSwapper:
         kept = min(buffer_size, logical.numel())
         return cls(
             allocator, pool, host, index_keys, logical.to(_CPU, torch.int64),
-            host_slots.to(torch.int64), buffer, kept,
+            host_slots.to(torch.int64).contiguous(), buffer, kept, copy_mode,
         )  # fmt: skip
 
     # -- the newest token -----------------------------------------------------------------------
@@ -156,6 +185,9 @@ class HiSparseSwapper:
         self.allocator.logical_to_device[logical.to(torch.int64)] = slot
         self.logical = torch.cat([self.logical, logical.to(_CPU, torch.int64)])
         self.host_slots = torch.cat([self.host_slots, host_slot.to(torch.int64)])
+        self._host_np = self.host_slots.numpy()
+        if self.num_tokens >= self._where.size:
+            self._where = np.full(2 * self.num_tokens + 1, -1, dtype=np.int64)
         self.newest = self.num_tokens - 1
         return slot
 
@@ -184,7 +216,10 @@ class HiSparseSwapper:
         keys = self.index_keys.get_index_k(layer_id, self.logical[:n].to(self.pool.device))
         if self.newest is None:
             return keys
-        return torch.cat([keys, self.pool.get_index_k(layer_id, self.reserved)])
+        # Its row as stored, not through the pool's getter: that waits on (and raises the
+        # error of) the last dense forward's layer-wise load, which this token never had
+        row = self.pool.index_k_with_scale_buffer[self.pool.layer_index(layer_id)][self.reserved]
+        return torch.cat([keys, dequantize_index_k(row, self.pool.index_head_dim)])
 
     def swap_in(self, layer_id: int, positions: torch.Tensor) -> SwapIn:
         """Make the tokens at ``positions`` (unique, CPU int, at most ``buffer_size`` besides
@@ -193,74 +228,78 @@ class HiSparseSwapper:
         (``SwapIn.failed``); bad input raises InvalidArgumentError and changes nothing."""
         self._live()
         local = self.pool.layer_index(layer_id)
-        sel = self._check_positions(positions)
-        newest = sel == (-1 if self.newest is None else self.newest)
-        rest = sel[~newest]
-        where = torch.full((self.num_tokens,), -1, dtype=torch.int64)
-        held = self.token_in[local]
-        occupied = torch.nonzero(held >= 0).flatten()
-        where[held[occupied]] = occupied
+        sel, is_new = self._check_positions(positions)
+        rest = sel if is_new is None else sel[~is_new]
+        held, lru, where = self._token_in[local], self._last_used[local], self._where
+        # Each selected token's slot in this layer (-1: not resident): the scratch maps
+        # position -> slot for this layer's residents only, and is all -1 again after.
+        where[held] = self._arange[: self.buffer_size]  # empty slots (-1) hit the sentinel
         slot_of = where[rest]
-        hit = slot_of >= 0
-        miss = rest[~hit]
-        keep = torch.zeros(self.buffer_size, dtype=torch.bool)
-        keep[slot_of[hit]] = True
-        free = torch.nonzero(~keep).flatten()  # empty or unselected: reuse the oldest first
-        victims = free[torch.argsort(self.last_used[local][free], stable=True)][: miss.numel()]
-        held[victims] = -1  # their old tokens are gone whatever the copy does
-        ok = miss.numel() == 0 or self._load(layer_id, miss, self._buffer_cpu[victims])
-        if ok:
-            held[victims] = miss
-            slot_of[~hit] = victims
-        else:
-            self.last_used[local][victims] = -1
+        where[held] = -1
+        missing = slot_of < 0
+        miss = rest[missing]
         self.clock += 1
-        used = slot_of[slot_of >= 0]
-        self.last_used[local][used] = self.clock
-        slots = torch.zeros(sel.numel(), dtype=torch.int64)
-        slots[~newest] = torch.where(slot_of >= 0, self._buffer_cpu[slot_of.clamp(min=0)], 0)
-        slots[newest] = int(self._buffer_cpu[self.buffer_size])
-        hits = int(hit.sum()) + int(newest.sum())
-        loaded = miss.numel() if ok else 0
-        failed = miss if not ok else miss[:0]
+        lru[slot_of[~missing]] = self.clock  # hits: used now, so never victims below
+        ok = True
+        if miss.size:
+            free = np.flatnonzero(lru != self.clock)  # empty or unselected: oldest first
+            victims = free[np.argsort(lru[free], kind="stable")[: miss.size]]
+            held[victims] = -1  # their old tokens are gone whatever the copy does
+            ok = self._load(layer_id, miss, victims)
+            if ok:
+                held[victims] = miss
+                slot_of[missing] = victims
+                lru[victims] = self.clock
+            else:
+                lru[victims] = -1
+        slots = self._slot_ids[slot_of]  # a failed token's -1 reads the trailing 0
+        if is_new is not None:
+            slots = np.full(sel.size, self._reserved_id, dtype=np.int64)
+            slots[~is_new] = self._slot_ids[slot_of]
+        hits = sel.size - miss.size
+        loaded = miss.size if ok else 0
+        failed = _NONE if ok else torch.from_numpy(miss)
         self.num_hits += hits
         self.num_loaded += loaded
         self.num_failed += failed.numel()
-        return SwapIn(slots.to(self.buffer.device), hits, loaded, failed)
+        return SwapIn(torch.from_numpy(slots).to(self.buffer.device), hits, loaded, failed)
 
-    def _check_positions(self, positions: torch.Tensor) -> torch.Tensor:
+    def _check_positions(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
+        """The positions as int64 numpy and where the newest token is among them (None: not
+        selected); raises InvalidArgumentError, changing nothing, on bad input."""
         check_index_tensor("positions", positions, _CPU)
-        sel = positions.to(torch.int64)
-        n = self.num_tokens
-        if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
+        sel = positions.numpy().astype(np.int64, copy=False)
+        n, k = self.num_tokens, sel.size
+        if np.count_nonzero(sel.view(np.uint64) >= n):  # a negative one wraps to > n too
             raise InvalidArgumentError(f"positions must be in [0, {n}); got {sel.tolist()[:8]}...")
-        if torch.unique(sel).numel() != sel.numel():
+        if k > self.buffer_size + 1:
+            repeated = np.unique(sel).size != k
+        else:  # through the all -1 scratch: a repeat's first entry is overwritten
+            where, order = self._where, self._arange[:k]
+            where[sel] = order
+            repeated = np.count_nonzero(where[sel] != order) > 0
+            where[sel] = -1
+        if repeated:
             raise InvalidArgumentError("positions repeat; select each token once")
-        others = sel.numel() - int((sel == (-1 if self.newest is None else self.newest)).sum())
+        is_new = None if self.newest is None else sel == self.newest
+        if is_new is not None and not np.count_nonzero(is_new):
+            is_new = None
+        others = k - (is_new is not None)
         if others > self.buffer_size:
             raise InvalidArgumentError(
                 f"{others} positions selected besides the newest token; the device buffer "
                 f"holds {self.buffer_size} (admit with a larger buffer_size)"
             )
-        return sel
+        return sel, is_new
 
-    def _load(self, layer_id: int, positions: torch.Tensor, slots: torch.Tensor) -> bool:
-        """Copy layer ``layer_id`` of ``positions`` from host into device ``slots``; False
-        (the error kept in ``last_error``) when the copy raised or was refused."""
-        lg = self.logical[positions].to(self.allocator.device)
-        table = self.allocator.logical_to_device
-        table[lg] = slots.to(
-            table.device
-        )  # the copy's translation: these tokens' slots in this layer
+    def _load(self, layer_id: int, positions: np.ndarray, slots: np.ndarray) -> bool:
+        """Copy layer ``layer_id`` of ``positions`` from host into buffer ``slots`` (indices
+        into the buffer); False (the error kept in ``last_error``) when the copy raised."""
         try:
-            self._latent.load_to_device_per_layer(
-                self._latent.decl.device_pool, self.host_slots[positions], lg, layer_id
-            )
+            self._rows.load(layer_id, self._host_np[positions], self._slot_ids[slots])
         except Exception as e:  # a failed transfer is a counted miss, not a crash
             self.last_error = e
             return False
-        finally:
-            table[lg] = 0
         return True
 
     def resident(self, layer_id: int) -> torch.Tensor:

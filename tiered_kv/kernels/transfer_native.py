@@ -11,7 +11,8 @@ Orders: host-bound copies of every layer in a token-major layout go in chunks of
 consecutive tokens, layer by layer, part by part (each chunk fills one region of the host while
 reading runs of device rows); other copies go layer-major, so one layer is one contiguous slice
 of the address arrays. Large copies use several threads and non-temporal stores. Same contract
-as ``transfer_reference.transfer_rows``; the caller has validated every index.
+as ``transfer_reference.transfer_rows``; the caller has validated every index. ``copy_blocks``
+is the C call alone, on addresses a caller computed itself (no plan kept).
 """
 
 from __future__ import annotations
@@ -241,3 +242,25 @@ def transfer_rows(
         if plan_cache is not None:
             plan_cache.entries[key] = plan
     plan.run(layers)
+
+
+def copy_blocks(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
+    """Copy ``nbytes`` from each address ``src[i]`` to ``dst[i]`` (int64 arrays of one length)
+    in one C call on the calling thread, the GIL released. No plan, no check of the addresses:
+    for callers that computed them from indices they vouch for (``host.layer_rows``). Raises
+    BackendUnavailableError where the native copier does not build."""
+    lib = native_build.load()
+    if lib is None:
+        raise BackendUnavailableError(f"{native_build.error()}; use kernel_backend='torch'")
+    if dst.size != src.size or dst.dtype != np.int64 or src.dtype != np.int64:
+        raise TransferError(
+            f"copy_blocks takes two int64 address arrays of one length; got {dst.size} "
+            f"{dst.dtype} and {src.size} {src.dtype}"
+        )
+    dst, src = np.ascontiguousarray(dst), np.ascontiguousarray(src)
+    rc = lib.tkv_copy_blocks(
+        ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src.ctypes.data), None, dst.size,
+        nbytes, 1, 0,
+    )  # fmt: skip
+    if rc != 0:
+        raise TransferError(f"native block copier refused {dst.size} blocks of {nbytes} bytes")

@@ -70,13 +70,16 @@ class HostPages(PageSource, Protocol):
 @dataclass(frozen=True)
 class TransferJob:
     """What to move. Device <-> host jobs pair ``host_indices`` with ``device_indices`` slot
-    by slot; storage jobs pair ``keys`` with whole host pages (``page_size`` slots each)."""
+    by slot; storage jobs pair ``keys`` with whole host pages (``page_size`` slots each).
+    ``segments``: a prefetch of several chains (one per request), their page counts in order;
+    each stops at its own first page not served (empty: the keys are one chain)."""
 
     job_id: JobId
     direction: Direction
     host_indices: torch.Tensor
     device_indices: torch.Tensor | None = None
     keys: tuple[bytes, ...] = field(default=())
+    segments: tuple[int, ...] = field(default=())
 
     @classmethod
     def write(cls, job_id: JobId, device: torch.Tensor, host: torch.Tensor) -> TransferJob:
@@ -94,9 +97,16 @@ class TransferJob:
         return cls(job_id, Direction.HOST_TO_STORAGE, host, None, tuple(keys))
 
     @classmethod
-    def prefetch(cls, job_id: JobId, keys: Sequence[bytes], host: torch.Tensor) -> TransferJob:
-        """Storage -> host pages, in order, stopping at the first page the store cannot serve."""
-        return cls(job_id, Direction.STORAGE_TO_HOST, host, None, tuple(keys))
+    def prefetch(
+        cls,
+        job_id: JobId,
+        keys: Sequence[bytes],
+        host: torch.Tensor,
+        segments: Sequence[int] = (),
+    ) -> TransferJob:
+        """Storage -> host pages, in order, stopping at the first page the store cannot serve
+        (per segment: one chain's first page not served ends that chain only)."""
+        return cls(job_id, Direction.STORAGE_TO_HOST, host, None, tuple(keys), tuple(segments))
 
     @property
     def num_pages(self) -> int:
@@ -113,6 +123,7 @@ class TransferResult:
     pages_done: int = 0  # storage jobs: pages stored, or leading pages loaded
     num_pages: int = 0
     error: str | None = None  # the exception a storage call raised, if one did
+    segment_pages: tuple[int, ...] = ()  # a segmented prefetch: leading pages done per segment
 
 
 class TransferWorker(ABC):

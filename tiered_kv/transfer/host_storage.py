@@ -3,7 +3,11 @@
 - backup jobs (host -> storage) run on the backup thread, in batches of ``batch_pages``;
 - prefetch jobs (storage -> host) run on the prefetch thread, in batches, stopping at the first
   page the store does not serve (a missing or corrupt page ends the usable prefix), so the host
-  pages after it are never written.
+  pages after it are never written. A prefetch of several chains (``TransferJob.segments``: a
+  step's requests merged into one job) reads them in batches across the chains, one
+  ``batch_get`` per batch; each chain stops at its own first page not served (later batches
+  skip it; its pages after the miss in the same batch are read and dropped), and a store call
+  that raises ends only the chains it read: another request's hole never stops a chain.
 
 Storage trouble (the store raising, a removed directory) becomes a failed result carrying the
 error, never an exception in the caller. ``cancel`` stops a job after its batch in progress;
@@ -67,6 +71,7 @@ class _StorageCopy:
     job: TransferJob
     pages: list[int]  # host page numbers, in key order
     pages_done: int = 0
+    segment_done: list[int] = field(default_factory=list)  # a segmented prefetch's, per chain
     ok: list[bool] = field(default_factory=list)
     nbytes: int = 0
     seconds: float = 0.0
@@ -122,6 +127,11 @@ class HostStorageTransfer(TransferWorker):
                 f"{', '.join(map(str, self.directions))}"
             )
         pages = self._pages_of(job)
+        if job.segments and (sum(job.segments) != job.num_pages or min(job.segments) < 1):
+            raise InvalidArgumentError(
+                f"segments {list(job.segments)[:8]} must be page counts >= 1 summing to the "
+                f"job's {job.num_pages} keys"
+            )
         with self._lock:
             if self._closed:
                 return False
@@ -261,6 +271,9 @@ class HostStorageTransfer(TransferWorker):
             copy.seconds += seconds
 
     def _run_prefetch(self, copy: _StorageCopy) -> None:
+        if len(copy.job.segments) > 1:
+            self._run_segments(copy)
+            return
         keys, pages, step = copy.job.keys, copy.pages, self.batch_pages
         page_nbytes = self.host_pool.page_nbytes
         for i in range(0, len(pages), step):
@@ -283,6 +296,50 @@ class HostStorageTransfer(TransferWorker):
             if lead < len(batch):
                 return
 
+    def _run_segments(self, copy: _StorageCopy) -> None:
+        """A prefetch of several chains: ``batch_pages`` pages per ``batch_get`` across the
+        chains still going, in job order; ``segment_done`` counts each chain's leading pages.
+        No ``batch_exists`` first: it stops at the first miss of the whole list, so it would
+        cost a call per chain; a missing key costs ``batch_get`` no read."""
+        job, step = copy.job, self.batch_pages
+        page_nbytes = self.host_pool.page_nbytes
+        owner = [s for s, n in enumerate(job.segments) for _ in range(n)]
+        done = copy.segment_done = [0] * len(job.segments)
+        ended = [False] * len(job.segments)
+        i = 0
+        while i < len(owner):
+            if copy.cancelled:
+                return
+            batch: list[int] = []
+            while i < len(owner) and len(batch) < step:
+                if not ended[owner[i]]:
+                    batch.append(i)
+                i += 1
+            if not batch:
+                return
+            start = time.perf_counter()
+            try:
+                ok = self.storage.batch_get(
+                    [job.keys[j] for j in batch], self.host_pool, [copy.pages[j] for j in batch]
+                )
+            except Exception as exc:  # noqa: BLE001 - the chains it read end here, a miss
+                ok = []
+                copy.error = copy.error or f"{type(exc).__name__}: {exc}"
+            ok = list(ok) + [False] * (len(batch) - len(ok))
+            landed = 0
+            for j, hit in zip(batch, ok, strict=True):
+                s = owner[j]
+                if ended[s] or not hit:
+                    ended[s] = True  # a page after a chain's first miss is dropped
+                    continue
+                done[s] += 1
+                landed += 1
+            seconds = time.perf_counter() - start
+            self.stats.add(Direction.STORAGE_TO_HOST, landed * page_nbytes, seconds)
+            copy.pages_done += landed
+            copy.nbytes += landed * page_nbytes
+            copy.seconds += seconds
+
 
 def _result(copy: _StorageCopy) -> TransferResult:
     job = copy.job
@@ -299,4 +356,5 @@ def _result(copy: _StorageCopy) -> TransferResult:
         copy.pages_done,
         job.num_pages,
         copy.error,
+        tuple(copy.segment_done or [0] * len(job.segments)) if len(job.segments) > 1 else (),
     )

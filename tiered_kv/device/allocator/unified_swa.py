@@ -71,7 +71,15 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
         debug_mode: bool | None = None,
         sizing: AllocSizingConfig | None = None,
         kernel_backend: str | KernelBackend | None = None,
+        skip_freed_window: bool = False,
     ) -> None:
+        if not isinstance(skip_freed_window, bool):
+            raise InvalidArgumentError(
+                f"skip_freed_window must be True or False, got {skip_freed_window!r}"
+            )
+        # The cache's host copies of windowless (tombstoned) pages carry full KV only, so its
+        # window route skips a token whose window page was freed instead of refusing the job.
+        self.skip_freed_window = skip_freed_window
         self.num_pages = check_positive_int("num_pages", num_pages)
         self.page_size = check_positive_int("page_size", page_size)
         if kvcache is not None and (
@@ -113,6 +121,11 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
 
     def get_kvcache(self) -> UnifiedSWAKVPool | None:
         return self._kvcache
+
+    def virtual_available_size(self) -> int:
+        """Tokens no one holds (free virtual ids): every held token has its full page, so the
+        cache's slot accounting counts tokens here."""
+        return self._virtual.available_size()
 
     def full_available_size(self) -> int:
         """Tokens the full side alone could take now (its holes and the shared gap)."""
@@ -177,13 +190,16 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
     def host_part_route(self, decl) -> tuple[SideView, Callable[[torch.Tensor], torch.Tensor]]:
         """For a host pool group: (the sub-pool of ``decl`` as an allocator, how a job's virtual
         ids become that sub-pool's physical slots). Full member: full slots; window member:
-        window slots, a token without window KV refused (never copied from padding)."""
+        window slots, a token without window KV refused (never copied from padding), or, with
+        ``skip_freed_window``, translated to 0, which the group skips (full KV only)."""
         kv = self._kvcache
         if kv is None:
             raise InvalidArgumentError("host_part_route needs the allocator built with its pool")
         for side, pool in ((FULL, kv.full_kv_pool), (SWA, kv.swa_kv_pool)):
             if decl.device_pool is pool:
                 view = SideView(self, side, pool)
+                if side == SWA and self.skip_freed_window:
+                    return view, view.physical_or_zero
                 return view, view.physical
         raise InvalidArgumentError(f"declaration {decl.name!r} is not one of this pool's")
 

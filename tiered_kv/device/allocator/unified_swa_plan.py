@@ -97,5 +97,16 @@ class SideView:
         where = f"host transfer ({self.side} sub-pool)"
         return self._alloc._physical(self.side, indices, where)
 
+    def physical_or_zero(self, indices: torch.Tensor) -> torch.Tensor:
+        """This sub-pool's physical slots of virtual ``indices``, 0 for an id whose page is
+        unbound on this side (a host pool group skips it: a cached page whose window KV was
+        freed is copied and loaded with its full KV only). Ids outside the pool are refused."""
+        alloc = self._alloc
+        alloc._physical("full", indices, f"host transfer ({self.side} sub-pool)")
+        ids = indices.to(torch.int64)
+        pages = torch.div(ids, alloc.page_size, rounding_mode="floor")
+        bound = alloc.pages.v2p[self.side][pages] > 0
+        return torch.where(bound, alloc._translate(self.side, ids), torch.zeros_like(ids))
+
     def translate_kv_indices_for_transfer(self, indices: torch.Tensor) -> torch.Tensor:
         return indices
