@@ -312,6 +312,7 @@ def test_run_serves_the_hybrid_presets_at_their_own_scale(capsys, monkeypatch):
         (["--preset", "gemma-3-4b"], 2.0),
         (["--preset", "gemma-3-12b"], 1.0),
         (["--preset", "qwen3-next-80b-a3b"], 4.0),
+        (["--preset", "deepseek-v3.2"], 4.0),
         (["--preset", "gemma-3-4b", "--scale", "1"], 1.0),
         ([], 1.0),
     ):

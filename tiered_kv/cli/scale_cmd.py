@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="restored prefixes checked byte for byte before their first forward (a wrong "
         "page is quarantined on every tier and computed again); 0 checks none",
     )
+    c.add_argument(
+        "--hisparse-topk",
+        type=positive_int,
+        default=_D.hisparse_topk,
+        help="DSA presets' hisparse mode: latents selected per layer and token, and each "
+        "request's device buffer (DeepSeek-V3.2: 2048)",
+    )
     c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
     add_storage_backend_arguments(c)
     add_metrics_arguments(p.add_argument_group("observability"))
@@ -210,14 +217,24 @@ def print_report(res: dict) -> None:
     for mode, prefix, bases in (
         ("tiered", "", ("device_only", "recompute")),
         ("tiered_planner", "planner_", ("tiered", "recompute")),
+        ("hisparse", "hisparse_", ("tiered", "device_only", "recompute")),
     ):
-        got = [b for b in bases if f"{prefix}throughput_vs_{b}" in g]
+        got = [b for b in bases if g.get(f"{prefix}throughput_vs_{b}") is not None]
         if got:
             print(f"\n{mode} vs " + ", ".join(
                 f"{b}: {g[f'{prefix}throughput_vs_{b}']:.2f}x throughput, "
                 f"{g[f'{prefix}ttft_p50_vs_{b}']:.2f}x TTFT p50" for b in got
             ) + " (modeled)", end="")  # fmt: skip
     print()
+    h = r.get("hisparse", {}).get("hisparse")
+    if h:
+        moved = h["swap_bytes"] / 2**20
+        print(
+            f"hisparse: buffer {h['buffer_tokens']} latents + a page per running request, top "
+            f"{h['topk']} selected per layer and token; swap-in {h['swap_loaded']} rows copied "
+            f"from host ({moved:.1f} MiB), {h['swap_hits']} buffer hits, "
+            f"{h['failed_copies']} failed copies; {h['checked_rows']} rows checked"
+        )
     est = r.get("tiered_planner", {}).get("planner", {}).get("estimates")
     if est:
         print("planner's estimates at the end (fed by the modeled links): " + ", ".join(
@@ -251,4 +268,8 @@ def print_kv(kv: dict) -> None:
         if kv[f"{name}_per_{per}"] is not None:
             here, full = kv[f"{name}_per_{per}"], kv[f"all_full_{name}_per_{per}"]
             rows.append([label, here / 2**20, full / 2**20, f"{kv[f'{name}_saved']:.2f}x"])
+    if kv.get("hisparse_device_per_request") is not None:
+        here, full = kv["hisparse_device_per_request"], kv["all_full_device_per_request"]
+        saved = f"{kv['hisparse_device_saved']:.2f}x"
+        rows.append(["device MiB per request (hisparse)", here / 2**20, full / 2**20, saved])
     print(table(["", "this model", "every layer full", "saved"], rows))

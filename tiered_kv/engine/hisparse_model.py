@@ -63,7 +63,7 @@ class StagedKV:
         self, serving: HiSparseServing, req: SparseRequest, dtype: torch.dtype = torch.float32
     ):
         self.pool, self.rows, self.dtype = serving.pool, req.staging.to(torch.int64), dtype
-        self.start = 0
+        self.req, self.start = req, 0
 
     def write(self, layer: int, k: torch.Tensor, v) -> None:
         self.pool.set_kv_buffer(layer, self.rows[self.start : self.start + len(k)], k)

@@ -113,3 +113,35 @@ class KVBytes:
         position, the window, the state."""
         window = self.window_per_token * min(context, self.geometry.sliding_window)
         return self.full_per_token * context + (window if self.window_layers else 0) + self.state
+
+
+class HiSparseBytes(KVBytes):
+    """A DSA model served HiSparse-style (``HiSparseServing``): each running request keeps on
+    the device its fixed buffer of ``buffer_tokens`` latents plus a page (the newest token's),
+    and every token's indexer key (the indexer scores them all); a decode step reads the
+    ``topk`` selected latents (at most the context) and every indexer key. Restores are
+    KVBytes' (a prefix's latents and indexer keys copied into the prefill's staging rows)."""
+
+    def __init__(
+        self, geometry: ModelGeometry, page_size: int, buffer_tokens: int, topk: int
+    ) -> None:
+        super().__init__(geometry, page_size)
+        if self.kind != ModelKind.DSA:
+            raise InvalidArgumentError(f"HiSparse serves model 'dsa', not {self.kind.value!r}")
+        for name, v in (("buffer_tokens", buffer_tokens), ("topk", topk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name}={v!r} must be an int >= 1")
+        if topk > buffer_tokens:
+            raise InvalidArgumentError(f"topk={topk} exceeds the buffer's {buffer_tokens} slots")
+        g, item = geometry, geometry.torch_dtype.itemsize
+        layers = g.num_layers
+        self.latent_per_token = layers * (g.kv_lora_rank + g.qk_rope_head_dim) * item
+        self.index_per_token = self.full_per_token - self.latent_per_token
+        self.buffer_tokens, self.topk = buffer_tokens, topk
+
+    def device(self, tokens: int) -> int:
+        held = min(tokens, self.buffer_tokens + self.page_size)
+        return self.latent_per_token * held + self.index_per_token * tokens
+
+    def read(self, context: int) -> int:
+        return self.latent_per_token * min(context, self.topk) + self.index_per_token * context

@@ -14,7 +14,10 @@ same decoded tokens:
   request it takes what is faster to load than to compute and computes the rest. Its compute
   cost is the cost model's prefill time; its link estimates are fed from the modeled clock's
   per-link load times (the links it "measures" here are the modeled ones), from the config's
-  stated priors until the first loads.
+  stated priors until the first loads;
+- ``hisparse`` (DSA presets only, :mod:`~tiered_kv.engine.sparse_run`): ``tiered``'s tiers
+  with HiSparse's device allocator, each running request a fixed buffer of selected latents on
+  the device, its tokens on host, through the ``SparseScheduler``.
 
 Times are modeled (:class:`~tiered_kv.engine.synthetic_model.ModeledClock`): prefill only of
 the tokens actually computed, decode steps, and restored prefixes' loads at modeled link
@@ -32,22 +35,22 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from tiered_kv.cache import Request, TieredKVCache
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.engine.batch_state import EngineRequest, SchedulePolicy, SchedulerConfig
+from tiered_kv.engine.batch_state import SchedulePolicy, SchedulerConfig
 from tiered_kv.engine.cost_model import CostModel
 from tiered_kv.engine.presets import geometry, kv_bytes
-from tiered_kv.engine.scale_workload import ScaleConfig, Sizes, Workload, sizes
+from tiered_kv.engine.scale_serve import mode_report, serve_workload
+from tiered_kv.engine.scale_workload import ScaleConfig, sizes
 from tiered_kv.engine.scheduler import Scheduler
+from tiered_kv.engine.sparse_run import run_hisparse_mode
 from tiered_kv.engine.synthetic_kv import SyntheticKV
 from tiered_kv.engine.synthetic_model import ModeledClock, SyntheticModel
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.names import ModelKind
 
-MODES = ("tiered", "device_only", "recompute", "tiered_planner")
-TIERED = ("tiered", "tiered_planner")  # the modes with a host and a storage tier
-SALT = 1 << 31  # recompute: first token ids no prompt otherwise holds
+MODES = ("tiered", "device_only", "recompute", "tiered_planner", "hisparse")
+TIERED = ("tiered", "tiered_planner", "hisparse")  # the modes with a host and a storage tier
 Hook = Callable[[TieredKVCache, Request], None]
 CacheHook = Callable[[str, TieredKVCache], None]  # (mode, its cache) once the cache is built
 
@@ -67,6 +70,8 @@ def run_mode(
         raise InvalidArgumentError(f"mode={mode!r}; use one of {', '.join(MODES)}")
     if mode in TIERED and store_dir is None:
         raise InvalidArgumentError(f"the {mode} mode needs a store_dir for its store")
+    if mode == "hisparse":
+        return run_hisparse_mode(cfg, store_dir, on_restored=on_restored, on_cache=on_cache)
     s, p, ps = sizes(cfg), cfg.model_preset, cfg.page_size
     tiered = mode in TIERED
     config = TieredKVConfig.flat(
@@ -98,122 +103,33 @@ def run_mode(
         if planner is not None:
             planner.set_compute_cost(lambda tokens, context: cfg.cost.prefill_s(tokens))
             planner.set_load_source(clock.link_stats)
-        records = _serve(cfg, mode, sched, model, clock)
+        records = serve_workload(cfg, mode, sched, model, clock)
         cache.drain()
         stats = cache.stats()
         stats["planner"]["estimates"] = planner.estimates() if planner is not None else None
     finally:
         cache.close()
     wall = time.perf_counter() - t0
-    return _report(mode, s, config, records, sched, model, clock, stats, wall)
+    return mode_report(mode, s, config, records, sched, model, clock, stats, wall)
 
 
-def _serve(cfg, mode, sched: Scheduler, model, clock: ModeledClock) -> list[dict]:
-    work = Workload(cfg)
-    live: dict[int, tuple[int, EngineRequest, float]] = {}  # rid -> (user, request, arrival)
-    salted = 0
-
-    def submit(user: int) -> None:
-        nonlocal salted
-        prompt = work.prompt(user)
-        if mode == "recompute":
-            prompt[0], salted = SALT + salted, salted + 1
-        r = sched.add(prompt, cfg.tokens("answer_tokens"))
-        live[r.rid] = (user, r, clock.now)
-
-    waiting_users = list(range(cfg.users))[::-1]
-    for _ in range(min(cfg.active_users, cfg.users)):
-        submit(waiting_users.pop())
-    records: list[dict] = []
-    limit = 64 * cfg.users * cfg.rounds * (cfg.tokens("answer_tokens") + 8)
-    while sched.waiting or sched.running:
-        if sched.step_count >= limit:
-            raise StateError(f"the workload did not finish in {limit} scheduler steps")
-        res = sched.step()
-        context = [len(live[i][1].prompt) + len(live[i][1].output) for i in res.decoded]
-        read = sum(model.bytes.read(n) for n in context)  # a window's, a state's bytes
-        clock.advance(res, model.take_loaded(), sum(context), read)
-        if not (res.admitted or res.prefilled_tokens or res.decoded):
-            # Nothing fit: the device is full of pages whose backups are still in flight (slow
-            # CPU copies here). Wait for them rather than spin against the copying threads.
-            sched.cache.drain()
-        for rid in res.finished:
-            user, r, arrival = live.pop(rid)
-            first = clock.step_end[r.first_token_step]
-            records.append(dict(
-                user=user, prompt_tokens=len(r.prompt), new_tokens=len(r.output),
-                cached_tokens=r.cached_tokens,
-                ttft_s=first - arrival, latency_s=clock.now - arrival, retractions=r.retractions,
-            ))  # fmt: skip
-            if work.answered(user, r.output):
-                submit(user)
-            elif waiting_users:
-                submit(waiting_users.pop())
-    return records
-
-
-def _report(mode, s: Sizes, config, records, sched, model, clock, stats, wall) -> dict:
-    ttft = np.asarray([r["ttft_s"] for r in records])
-    prompt = sum(r["prompt_tokens"] for r in records)
-    generated = sum(r["new_tokens"] for r in records)
-    lengths = [r["prompt_tokens"] + r["new_tokens"] for r in records]
-    n = max(1, len(records))
-    h = stats["hits"]
-    total = clock.now
-    return {
-        "mode": mode,
-        "device_tokens": config.device.device_tokens,
-        "host_tokens": config.host.host_tokens,
-        "storage_bytes": config.storage.storage_bytes,
-        "requests": len(records),
-        "prompt_tokens": prompt,
-        "generated_tokens": generated,
-        "computed_tokens": model.computed_tokens,
-        "hits": {k: h[k] for k in ("device", "host", "storage", "missed")},
-        "modeled": {
-            "total_s": total,
-            "prefill_s": clock.prefill_s,
-            "decode_s": clock.decode_s,
-            "load_s": clock.load_s,
-            "verify_s": clock.verify_s,  # a real engine's verification recompute: not in total
-            "idle_steps": clock.idle_steps,
-            "tokens_per_s": (prompt + generated) / total if total else 0.0,
-            "requests_per_s": len(records) / total if total else 0.0,
-            "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
-            "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
-        },
-        "bytes": {  # KVBytes over this run's requests and restores (geometry, not measured)
-            "device_per_request": sum(model.bytes.device(x) for x in lengths) / n,
-            "all_full_device_per_request": sum(model.bytes.all_full_device(x) for x in lengths) / n,
-            "restored_tokens": model.restored_tokens,  # from host and storage
-            "restored_per_turn": model.restored_bytes / n,
-            "all_full_restored_per_turn": model.all_full_restored_bytes / n,
-        },
-        "transfers": stats["transfer"],
-        "planner": stats["planner"],  # its decisions (zeros in the other modes), its estimates
-        "verification": {
-            "restores": model.restores,
-            "verified_tokens": model.verified_tokens,
-            "mismatched_tokens": model.mismatched_tokens,  # found and quarantined
-            "sampled": stats["verify"]["sampled"],
-            "quarantined_pages": stats["verify"]["quarantined_pages"],
-            "recomputed_tokens": model.recomputed_tokens,
-            "checksum_failures": stats["storage"].get("checksum_failures", 0),
-        },
-        "scheduler": dataclasses.asdict(sched.stats),
-        "wall_s": wall,
-    }
+def default_modes(cfg: ScaleConfig) -> tuple[str, ...]:
+    """Every mode that serves ``cfg``'s preset (``hisparse`` only for a DSA model)."""
+    dsa = cfg.model_preset.model == ModelKind.DSA.value
+    return tuple(m for m in MODES if dsa or m != "hisparse")
 
 
 def run_scale(
     cfg: ScaleConfig,
-    modes=MODES,
+    modes=None,
     *,
     on_restored: Hook | None = None,
     on_cache: CacheHook | None = None,
 ) -> dict:
-    """Every mode in ``modes`` on ``cfg``'s workload, and the tiered mode's gains as ratios."""
+    """Every mode in ``modes`` (None: ``default_modes``) on ``cfg``'s workload, and the tiered
+    and hisparse modes' gains as ratios."""
     cost, s = cfg.cost, sizes(cfg)
+    modes = default_modes(cfg) if modes is None else modes
     t0 = time.perf_counter()
     results = {}
     for mode in modes:
@@ -238,13 +154,17 @@ def run_scale(
 def gains(results: dict) -> dict:
     """The tiered mode's modeled throughput and TTFT p50 against each baseline it ran with
     (baseline TTFT / tiered TTFT: > 1 means the tiers won), and the planner's (``planner_*``)
-    against blind tiered loading and recomputing."""
+    against blind tiered loading and recomputing, and HiSparse's (``hisparse_*``) against the
+    dense modes."""
     out = {}
     pairs = [("tiered", base, "") for base in ("device_only", "recompute")]
     pairs += [("tiered_planner", base, "planner_") for base in ("tiered", "recompute")]
+    pairs += [("hisparse", base, "hisparse_") for base in ("tiered", "device_only", "recompute")]
     for mode, base, prefix in pairs:
         t, b = results.get(mode), results.get(base)
         if t is None or b is None:
+            if mode == "hisparse":  # documented keys: None where the preset has no such mode
+                out[f"{prefix}throughput_vs_{base}"] = out[f"{prefix}ttft_p50_vs_{base}"] = None
             continue
         tm, bm = t["modeled"], b["modeled"]
         out[f"{prefix}throughput_vs_{base}"] = tm["tokens_per_s"] / bm["tokens_per_s"]
@@ -255,6 +175,7 @@ def gains(results: dict) -> dict:
 KV_RUN_KEYS = (
     "device_per_request", "all_full_device_per_request", "device_saved",
     "restored_per_turn", "all_full_restored_per_turn", "restored_saved",
+    "hisparse_device_per_request", "hisparse_device_saved",
 )  # fmt: skip
 
 
@@ -286,4 +207,8 @@ def kv_report(cfg: ScaleConfig, results: dict) -> dict:
         out["restored_per_turn"] = r = t["restored_per_turn"]
         out["all_full_restored_per_turn"] = full = t["all_full_restored_per_turn"]
         out["restored_saved"] = full / r
+    h = results.get("hisparse", {}).get("bytes")
+    if h is not None:  # the same requests: a fixed buffer of latents, every indexer key
+        out["hisparse_device_per_request"] = d = h["device_per_request"]
+        out["hisparse_device_saved"] = h["all_full_device_per_request"] / d if d else None
     return out

@@ -40,7 +40,9 @@ PRESET_COST_MODELS = {
 # (1024) is longer than every request at scale 1 (928 tokens at most), and a Qwen3-Next
 # request's 75 MiB state outweighs the KV of its full layers below about 3k tokens. Gemma 3
 # 12B stays at 1: at 384 KiB a token its scale-2 working set is 12.8 GiB (docs/serving_and_sim.md).
-PRESET_SCALES = {"gemma-3-4b": 2.0, "qwen3-next-80b-a3b": 4.0}
+# DeepSeek-V3.2 at 4: its hisparse mode's device buffer holds the 2048 tokens its indexer
+# selects, and at scale 1 no request is longer than that (at 4 every one is: 2.8k-3.7k tokens).
+PRESET_SCALES = {"gemma-3-4b": 2.0, "qwen3-next-80b-a3b": 4.0, "deepseek-v3.2": 4.0}
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class ScaleConfig:
     # The cache's ``verify_fraction``: restored prefixes the synthetic model checks byte for
     # byte before their first forward (a wrong one quarantined and computed again).
     verify_fraction: float = 1.0
+    # The hisparse mode (DSA presets): latents selected per layer and token, and the device
+    # buffer of each running request (DeepSeek-V3.2-Exp config.json: index_topk 2048).
+    hisparse_topk: int = 2048
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -91,6 +96,11 @@ class ScaleConfig:
         f = self.verify_fraction
         if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f <= 1:
             raise InvalidArgumentError(f"verify_fraction={f!r} must be a fraction in [0, 1]")
+        if self.hisparse_topk % self.page_size:
+            raise InvalidArgumentError(
+                f"hisparse_topk={self.hisparse_topk} must be a multiple of "
+                f"page_size={self.page_size} (it sizes each request's device buffer)"
+            )
         if self.chunk_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={self.page_size}"
@@ -119,7 +129,7 @@ class ScaleConfig:
 
 _INT_FIELDS = (
     "users", "active_users", "docs", "rounds", "system_tokens", "doc_tokens", "question_tokens",
-    "answer_tokens", "page_size", "chunk_tokens", "max_running",
+    "answer_tokens", "page_size", "chunk_tokens", "max_running", "hisparse_topk",
 )  # fmt: skip
 
 

@@ -49,8 +49,13 @@ class SparseScheduler:
             raise InvalidArgumentError(
                 f"config must be a SchedulerConfig, got {type(config).__name__}"
             )
-        if not isinstance(model, SparseDSA):
-            raise InvalidArgumentError(f"model must be a SparseDSA, got {type(model).__name__}")
+        if not isinstance(model, SparseDSA) and not (
+            callable(getattr(model, "forward", None)) and hasattr(model, "embed")
+        ):  # SparseDSA, or a stand-in with its calls (``SyntheticSparseDSA``)
+            raise InvalidArgumentError(
+                f"model must be a SparseDSA (or have its forward and embed), got "
+                f"{type(model).__name__}"
+            )
         self.serving, self.model, self.config = serving, model, config
         self.cache, self.allocator = serving.cache, serving.allocator
         self.page_size = serving.page_size

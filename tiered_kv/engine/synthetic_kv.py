@@ -109,13 +109,15 @@ class SyntheticKV:
         )
 
     # -- the generator ------------------------------------------------------------------------
-    def _rows(self, digests: list[bytes], positions, salt: int, nbytes: int, item: int):
-        """(n, nbytes) uint8: the rows of ``digests`` (one per token) at ``positions``."""
+    def _rows(self, digests: list[bytes], positions, salt, nbytes: int, item: int):
+        """(n, nbytes) uint8: the rows of ``digests`` (one per token) at ``positions``;
+        ``salt`` one stream (an int) or one per row (an int array)."""
         words = (nbytes + 7) // 8
         d = np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, DIGEST_BYTES // 8)
         pos = np.asarray(positions, dtype=np.uint64)
+        salt = np.asarray(salt, dtype=np.int64).astype(np.uint64)
         with np.errstate(over="ignore"):
-            key = d[:, 0] ^ _mix(pos * _GOLDEN + np.uint64(salt + 1))
+            key = d[:, 0] ^ _mix(pos * _GOLDEN + salt + np.uint64(1))
             offset = _mix(key) % np.uint64(self._table.size - words + 1)
             word = _mix(d[:, 1] ^ _mix(key + _GOLDEN))
         windows = np.lib.stride_tricks.sliding_window_view(self._table, words)
@@ -128,6 +130,11 @@ class SyntheticKV:
         """The KV bytes of tokens with these prefix ``digests`` at ``positions`` in ``layer``:
         (n, row_bytes) uint8, K's elements then V's (an MLA / DSA row is the whole latent)."""
         return self._rows(digests, positions, layer, self.row_bytes, self.dtype.itemsize)
+
+    def kv_tensors(self, digests: list[bytes], positions, layer: int):
+        """(K, V) of tokens with these prefix ``digests`` at ``positions`` in ``layer``, in the
+        cache's dtype (V None for MLA / DSA): views of ``kv_rows``."""
+        return self._split(self.kv_rows(digests, positions, layer))
 
     def kv_for(self, prefix_digest: bytes, position: int, layer: int):
         """One token's (K, V) in ``layer`` in the cache's dtype (V None for MLA / DSA)."""
@@ -145,6 +152,17 @@ class SyntheticKV:
     def index_k(self, digests, positions, layer: int) -> torch.Tensor:
         """DSA: the indexer keys the model writes, (n, index_head_dim) float32."""
         raw = self._rows(digests, positions, _INDEX_SALT + layer, 4 * self.index_dim, 4)
+        return raw.contiguous().view(torch.float32)
+
+    def kv_rows_of(self, digests: list[bytes], positions, layers) -> torch.Tensor:
+        """``kv_rows`` with one layer per row (``layers``: an int array): one call for many
+        layers' rows."""
+        return self._rows(digests, positions, layers, self.row_bytes, self.dtype.itemsize)
+
+    def index_k_of(self, digests, positions, layers) -> torch.Tensor:
+        """``index_k`` with one layer per row (``layers``: an int array)."""
+        salts = _INDEX_SALT + np.asarray(layers, dtype=np.int64)
+        raw = self._rows(digests, positions, salts, 4 * self.index_dim, 4)
         return raw.contiguous().view(torch.float32)
 
     def index_k_rows(self, digests, positions, layer: int) -> torch.Tensor:

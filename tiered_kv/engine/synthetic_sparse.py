@@ -1,0 +1,298 @@
+"""SyntheticSparseDSA: the :class:`~tiered_kv.engine.sparse_scheduler.SparseScheduler`'s model
+at a real DSA model's scale (DeepSeek-V3.2): no weights, real latent and indexer bytes
+(:class:`~tiered_kv.engine.synthetic_kv.SyntheticKV`), real selection and swap-in, checked bytes.
+
+- prefill (:class:`~tiered_kv.engine.hisparse_model.StagedKV`): the cached prefix the cache
+  copied from the tree's host copies into the staging rows is checked (latents and indexer rows,
+  every layer, on the prefixes the cache's ``verify_fraction`` samples; a wrong row is counted in
+  ``mismatched_tokens`` and written again, as a recompute would); the rest of the prompt's
+  latents and indexer keys are written at their staging rows;
+- decode (:class:`~tiered_kv.engine.hisparse_model.SwapKV`): the token's latent and indexer key
+  are written at its reserved slot; per layer the indexer scores every earlier token's key as
+  the device holds it (``score_keys``) against the request's query for that layer, the
+  ``topk`` best are swapped in from host (``swap_in``; a failed copy tried again, then
+  :class:`SwapInFailed`), and the rows the buffer then holds for them are checked against the
+  synthetic bytes: all of one layer per token (the layer turns with the position; there also
+  ``KEY_ROWS`` of the indexer keys the device holds) and ``sample_rows`` in each of
+  ``SAMPLED_LAYERS`` others (turning too: over a request's decode every layer is checked whole
+  and sampled many times). The query is fixed per request and layer (a stand-in
+  for the locality of real indexer scores: consecutive steps select mostly the same tokens).
+
+Logits are :func:`~tiered_kv.engine.synthetic_model.next_token`'s one-hot row, so every way of
+serving decodes the same tokens. Counters as :class:`SyntheticModel`'s, plus the swap-in
+traffic (``swap_hits``, ``swap_loaded``, ``swap_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tiered_kv.cache.facade import TieredKVCache
+from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
+from tiered_kv.device.dsa_pool import dequantize_index_k, quantize_index_k
+from tiered_kv.engine.hisparse_model import StagedKV, SwapInFailed, SwapKV
+from tiered_kv.engine.kv_bytes import HiSparseBytes
+from tiered_kv.engine.synthetic_kv import SyntheticKV, token_digests
+from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LoadedTokens, _Embed, next_token
+from tiered_kv.errors import InvalidArgumentError
+
+QUERY_STREAM = 1 << 16  # the query's rows: another stream than any layer's indexer keys
+SAMPLE_ROWS = 16  # selected rows checked in each sampled layer
+SAMPLED_LAYERS = 4  # layers sampled per token besides the one checked whole
+KEY_ROWS = 64  # indexer keys checked per token (in the layer checked whole)
+
+
+class SyntheticSparseDSA:
+    def __init__(
+        self,
+        serving: HiSparseServing,
+        kv: SyntheticKV,
+        topk: int,
+        *,
+        retries: int = 3,
+        sample_rows: int = SAMPLE_ROWS,
+        on_restored: Callable[[TieredKVCache, SparseRequest], None] | None = None,
+    ) -> None:
+        if not isinstance(kv, SyntheticKV) or not kv.index_dim:
+            raise InvalidArgumentError("kv must be the SyntheticKV of a DSA cache")
+        if type(topk) is not int or not 1 <= topk <= serving.buffer_tokens:
+            raise InvalidArgumentError(
+                f"topk={topk!r} must be an int in [1, {serving.buffer_tokens}] (the buffer)"
+            )
+        self.serving, self.kv, self.topk, self.retries = serving, kv, topk, retries
+        self.sample_rows, self.on_restored = sample_rows, on_restored
+        self.pool, self.cache = serving.pool, serving.cache
+        self.page_size = serving.page_size
+        self.embed = _Embed(kv.dtype)
+        g = self.cache.config.geometry
+        self.bytes = HiSparseBytes(g, self.page_size, serving.buffer_tokens, topk)
+        self.latent_bytes = (g.kv_lora_rank + g.qk_rope_head_dim) * g.torch_dtype.itemsize
+        self.layers = kv.kv_layers
+        self.restores = self.verified_tokens = self.mismatched_tokens = 0
+        self.restored_tokens = self.restored_bytes = self.all_full_restored_bytes = 0
+        self.computed_tokens = self.recomputed_tokens = 0
+        self.swap_hits = self.swap_loaded = self.swap_bytes = self.failed_copies = 0
+        self.checked_rows = 0
+        self.loaded = LoadedTokens()
+        self._memo: dict[int, _Memo] = {}
+        self._rng = np.random.default_rng(0)
+
+    # -- the scheduler's call -------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, start: int, kv, page_size: int) -> torch.Tensor:
+        req = kv.req
+        end = start + len(tokens)
+        if end != len(req.tokens):
+            raise InvalidArgumentError(
+                f"forward of positions {start}..{end} but the request holds {len(req.tokens)}"
+            )
+        digests = self._digests_of(req, end)
+        if isinstance(kv, StagedKV):
+            self._prefill(req, kv, start, end, digests)
+        elif isinstance(kv, SwapKV):
+            self._decode(req, kv, start, digests)
+        else:
+            raise InvalidArgumentError(
+                f"kv must be a StagedKV or a SwapKV, got {type(kv).__name__}"
+            )
+        self.computed_tokens += end - start
+        logits = torch.zeros(1, VOCAB_SIZE)
+        logits[0, next_token(req.tokens, end)] = 1.0
+        return logits
+
+    def take_loaded(self) -> LoadedTokens:
+        out, self.loaded = self.loaded, LoadedTokens()
+        return out
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def _prefill(self, req: SparseRequest, kv: StagedKV, start: int, end: int, digests) -> None:
+        if start:
+            self._restored(req, kv, start, digests)
+        positions = np.arange(start, end)
+        kv.start = start
+        for layer in self.layers:
+            latent, _ = self.kv.kv_tensors(digests[start:end], positions, layer)
+            kv.write(layer, latent, None)
+            kv.write_index(layer, self.kv.index_k(digests[start:end], positions, layer))
+
+    def _restored(self, req: SparseRequest, kv: StagedKV, start: int, digests) -> None:
+        hits = req.hits
+        restored = hits.host + hits.storage
+        self.loaded.host += hits.host
+        self.loaded.storage += hits.storage
+        if restored:
+            moved = self.bytes.restored(start, min(restored, start))
+            stored = self.bytes.restored(start, min(hits.storage, start))
+            self.loaded.host_bytes += moved - stored
+            self.loaded.storage_bytes += stored
+            self.restored_tokens += restored
+            self.restored_bytes += moved
+            self.all_full_restored_bytes += self.bytes.all_full_restored(restored)
+        self.restores += 1
+        if not self.cache.verifier.sample():
+            return
+        if self.on_restored is not None:
+            self.on_restored(self.cache, req)
+        rows, positions = kv.rows[:start], np.arange(start)
+        bad = torch.zeros(start, dtype=torch.bool)
+        for layer in self.layers:
+            bad |= self._bad_rows(layer, rows, digests[:start], positions)
+        self.verified_tokens += start
+        self.loaded.verify += start
+        wrong = int(bad.sum())
+        if wrong:  # counted, then written again as a recompute would
+            self.mismatched_tokens += wrong
+            self.recomputed_tokens += start
+            kv.start = 0
+            for layer in self.layers:
+                kv.write(layer, self.kv.kv_tensors(digests[:start], positions, layer)[0], None)
+                kv.write_index(layer, self.kv.index_k(digests[:start], positions, layer))
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _decode(self, req: SparseRequest, kv: SwapKV, pos: int, digests) -> None:
+        memo, layers = self._memo[id(req)], self.layers
+        every = np.asarray(layers, dtype=np.int64)
+        here = [digests[pos]] * len(layers)
+        latents = self.kv.kv_rows_of(here, [pos] * len(layers), every)  # every layer at once
+        keys_now = self.kv.index_k_of(here, [pos] * len(layers), every)
+        index_rows = quantize_index_k(keys_now)
+        slot = kv.slot.to(torch.int64)
+        for i, layer in enumerate(layers):  # raw rows at the reserved slot: the pool API's
+            local = self.pool.layer_index(layer)  # checks cost more than the write, per layer
+            self._raw(self.pool.kv_buffer[local])[slot] = latents[i : i + 1]
+            self.pool.index_k_with_scale_buffer[local][slot] = index_rows[i : i + 1]
+        if pos == 0:
+            return
+        self._score_new(memo, pos, digests)
+        k = min(self.topk, pos)
+        n = len(layers)
+        full = pos % n  # this token checks one layer whole and samples a few others
+        sampled = {
+            (full + 1 + j * n // (SAMPLED_LAYERS + 1) + pos) % n for j in range(SAMPLED_LAYERS)
+        }
+        bad = False
+        checks: list[tuple[int, torch.Tensor, np.ndarray]] = []
+        for i, layer in enumerate(layers):
+            scores = torch.from_numpy(memo.scores[i, :pos])
+            if i == full:  # the indexer keys as the device holds them, scored
+                keys = self.serving.score_keys(req, layer)[:pos]
+                at = self._rng.choice(pos, min(pos, KEY_ROWS), replace=False)
+                want = self._keys([digests[j] for j in at], at, [layer] * len(at))
+                bad |= not torch.equal(keys[at].view(torch.int32), want.view(torch.int32))
+                scores = keys @ memo.queries[i]
+            chosen = torch.topk(scores, k, sorted=False).indices  # any order: a set
+            slots = self._swap_in(req, layer, chosen)
+            if i == full:
+                checks.append((i, slots, chosen.numpy()))
+            elif i in sampled:
+                check = self._rng.choice(k, min(k, self.sample_rows), replace=False)
+                checks.append((i, slots[check], chosen.numpy()[check]))
+        bad |= self._bad_selected(checks, digests)
+        self.verified_tokens += 1
+        self.mismatched_tokens += bad
+
+    def _bad_selected(self, checks, digests) -> bool:
+        """Whether any buffer row checked holds another latent than its selected token's (one
+        generator call for every layer's rows)."""
+        sel = np.concatenate([c[2] for c in checks])
+        layers = np.concatenate([np.full(len(c[2]), self.layers[c[0]]) for c in checks])
+        want = self.kv.kv_rows_of([digests[j] for j in sel], sel, layers)
+        got = torch.cat([
+            self.pool.kv_buffer[self.pool.layer_index(self.layers[i])][rows]
+            .reshape(len(rows), -1).view(torch.uint8)
+            for i, rows, _ in checks
+        ])  # fmt: skip
+        self.checked_rows += len(sel)
+        return bool((got != want).any())
+
+    def _keys(self, digests, positions, layers) -> torch.Tensor:
+        """The indexer keys of ``positions`` (one layer per row) as the cache holds them
+        (quantized, dequantized)."""
+        rows = quantize_index_k(self.kv.index_k_of(digests, positions, layers))
+        return dequantize_index_k(rows, self.kv.index_dim)
+
+    def _score_new(self, memo: _Memo, pos: int, digests) -> None:
+        """Score the positions up to ``pos - 1`` not scored yet, every layer at once (a
+        token's key never changes, the query is the request's: only new keys are scored)."""
+        start, n = memo.scored, len(self.layers)
+        if start >= pos:
+            return
+        new = np.arange(start, pos)
+        m = len(new)
+        keys = self._keys(
+            [digests[j] for j in new] * n, np.tile(new, n), np.repeat(self.layers, m)
+        ).reshape(n, m, -1)
+        if pos > memo.scores.shape[1]:  # grown by doubling
+            grown = np.zeros((n, max(2 * memo.scores.shape[1], pos)), dtype=np.float32)
+            grown[:, :start] = memo.scores[:, :start]
+            memo.scores = grown
+        memo.scores[:, start:pos] = torch.einsum("nmd,nd->nm", keys, memo.queries).numpy()
+        memo.scored = pos
+
+    @staticmethod
+    def _raw(buffer: torch.Tensor) -> torch.Tensor:
+        """A pool layer's rows as bytes, (slots, row bytes), sharing its memory."""
+        return buffer.view(torch.uint8).view(buffer.shape[0], -1)
+
+    def _swap_in(self, req: SparseRequest, layer: int, chosen: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.retries + 1):
+            got = self.serving.swap_in(req, layer, chosen)
+            if not got.failed.numel():
+                break
+            self.failed_copies += 1
+        else:
+            raise SwapInFailed(
+                f"layer {layer}: {got.failed.numel()} selected tokens failed to copy in from "
+                f"host {self.retries + 1} times"
+            )
+        self.swap_hits += got.hits
+        self.swap_loaded += got.loaded
+        nbytes = got.loaded * self.latent_bytes
+        self.swap_bytes += nbytes
+        self.loaded.host_bytes += nbytes  # host -> device over the modeled link
+        return got.device_slots.to(torch.int64)
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _bad_rows(self, layer: int, rows: torch.Tensor, digests, positions) -> torch.Tensor:
+        """Per row, whether device ``rows`` of ``layer`` hold other latent or indexer bytes than
+        the synthetic ones of ``positions`` (read raw: no getter waits on a dense load)."""
+        local = self.pool.layer_index(layer)
+        n = len(rows)
+        got = self.pool.kv_buffer[local][rows].reshape(n, -1).view(torch.uint8)
+        bad = (got != self.kv.kv_rows(digests, positions, layer)).any(dim=1)
+        index = self.pool.index_k_with_scale_buffer[local][rows].reshape(n, -1).view(torch.uint8)
+        want = self.kv.index_k_rows(digests, positions, layer).reshape(n, -1).view(torch.uint8)
+        self.checked_rows += n
+        return bad | (index != want).any(dim=1)
+
+    def _digests_of(self, req: SparseRequest, end: int) -> list[bytes]:
+        """Prefix digests of positions ``0..end-1`` of ``req`` (kept per live request, with
+        its queries and scores)."""
+        memo = self._memo.get(id(req))
+        if memo is None or memo.req is not req:
+            live = self.serving.live
+            self._memo = {k: v for k, v in self._memo.items() if k in live}
+            memo = self._memo[id(req)] = _Memo(req)
+        have = memo.digests
+        if len(have) < end:
+            have += token_digests(req.tokens, len(have), end, self.page_size, req.prior)
+        if memo.queries is None:
+            salts = QUERY_STREAM + np.asarray(self.layers, dtype=np.int64)
+            memo.queries = self.kv.index_k_of(have[:1] * len(self.layers), [0] * len(salts), salts)
+            memo.scores = np.zeros((len(self.layers), 256), dtype=np.float32)
+        return have
+
+
+@dataclass
+class _Memo:
+    """What the model keeps of one live request: digests by position, the query and the
+    scores so far of each layer."""
+
+    req: SparseRequest
+    digests: list[bytes] = field(default_factory=list)
+    queries: torch.Tensor | None = None  # (layers, index_head_dim)
+    scores: np.ndarray | None = None  # (layers, capacity): the first ``scored`` filled
+    scored: int = 0
