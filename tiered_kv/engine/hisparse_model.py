@@ -22,6 +22,7 @@ from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
 from tiered_kv.device.dsa_pool import dequantize_index_k
 from tiered_kv.engine.dsa import TinyDSA
 from tiered_kv.errors import TransferError
+from tiered_kv.host.hisparse_swap import SwapIn
 
 
 class SwapInFailed(TransferError):
@@ -41,6 +42,22 @@ class SparseDSA(TinyDSA):
         wanted = torch.nonzero((~mask[rows]).any(dim=0)).flatten()  # the real rows' keys
         stored = read_selected(i, end, wanted[wanted < end])
         return self._attend_latent(p, q, self._pad_keys(stored, end, n_keys), mask, chunk)
+
+
+def swap_in_retried(
+    serving: HiSparseServing, req: SparseRequest, layer: int, positions, retries: int
+) -> tuple[SwapIn, int]:
+    """``serving.swap_in`` of ``positions`` in ``layer``, a failed copy tried again up to
+    ``retries`` times; (the result, the failed tries). Raises SwapInFailed when every try
+    failed."""
+    for failed in range(retries + 1):
+        got = serving.swap_in(req, layer, positions)
+        if not got.failed.numel():
+            return got, failed
+    raise SwapInFailed(
+        f"layer {layer}: {got.failed.numel()} selected tokens failed to copy in from host "
+        f"{retries + 1} times"
+    )
 
 
 def latents(pool, layer: int) -> torch.Tensor:
@@ -109,16 +126,8 @@ class SwapKV:
     def read_selected(self, layer: int, end: int, positions: torch.Tensor) -> torch.Tensor:
         """Latents of ``positions`` (the rest zeros): ``(end, 1, dim)``."""
         positions = positions.to(torch.int64)
-        for _ in range(self.retries + 1):
-            got = self.serving.swap_in(self.req, layer, positions)
-            if not got.failed.numel():
-                break
-            self.failed_copies += 1
-        else:
-            raise SwapInFailed(
-                f"layer {layer}: {got.failed.numel()} selected tokens failed to copy in from "
-                f"host {self.retries + 1} times"
-            )
+        got, failed = swap_in_retried(self.serving, self.req, layer, positions, self.retries)
+        self.failed_copies += failed
         buf = latents(self.pool, layer)
         out = torch.zeros((end, *buf.shape[1:]), dtype=self.dtype)
         out[positions] = buf[got.device_slots.to(torch.int64)].to(self.dtype)

@@ -34,7 +34,7 @@ import torch
 from tiered_kv.cache.facade import TieredKVCache
 from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
 from tiered_kv.device.dsa_pool import dequantize_index_k, quantize_index_k
-from tiered_kv.engine.hisparse_model import StagedKV, SwapInFailed, SwapKV
+from tiered_kv.engine.hisparse_model import StagedKV, SwapKV, swap_in_retried
 from tiered_kv.engine.kv_bytes import HiSparseBytes
 from tiered_kv.engine.synthetic_kv import SyntheticKV, token_digests
 from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LoadedTokens, _Embed, next_token
@@ -238,16 +238,8 @@ class SyntheticSparseDSA:
         return buffer.view(torch.uint8).view(buffer.shape[0], -1)
 
     def _swap_in(self, req: SparseRequest, layer: int, chosen: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.retries + 1):
-            got = self.serving.swap_in(req, layer, chosen)
-            if not got.failed.numel():
-                break
-            self.failed_copies += 1
-        else:
-            raise SwapInFailed(
-                f"layer {layer}: {got.failed.numel()} selected tokens failed to copy in from "
-                f"host {self.retries + 1} times"
-            )
+        got, failed = swap_in_retried(self.serving, req, layer, chosen, self.retries)
+        self.failed_copies += failed
         self.swap_hits += got.hits
         self.swap_loaded += got.loaded
         nbytes = got.loaded * self.latent_bytes
