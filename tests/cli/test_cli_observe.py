@@ -114,14 +114,14 @@ def test_run_serves_each_modes_metrics_and_closes_the_endpoint(
 ):
     port = free_port()
     seen = {}
-    report = scale_run._report
+    report = scale_run.mode_report
 
     def scraped_report(mode, *args):
         # Each mode's cache has served its workload (and closed) and is still the one shown.
         seen[mode] = scrape(port)
         return report(mode, *args)
 
-    monkeypatch.setattr(scale_run, "_report", scraped_report)
+    monkeypatch.setattr(scale_run, "mode_report", scraped_report)
     caplog.set_level(logging.INFO)
     argv = [*RUN, "--store-dir", str(tmp_path), "--metrics-port", str(port)]
     assert main([*argv, "--log-level", "info", "--json", str(tmp_path / "r.json")]) == 0
