@@ -8,15 +8,17 @@ at a real DSA model's scale (DeepSeek-V3.2): no weights, real latent and indexer
   ``mismatched_tokens`` and written again, as a recompute would); the rest of the prompt's
   latents and indexer keys are written at their staging rows;
 - decode (:class:`~tiered_kv.engine.hisparse_model.SwapKV`): the token's latent and indexer key
-  are written at its reserved slot; per layer the indexer scores every earlier token's key as
-  the device holds it (``score_keys``) against the request's query for that layer, the
-  ``topk`` best are swapped in from host (``swap_in``; a failed copy tried again, then
-  :class:`SwapInFailed`), and the rows the buffer then holds for them are checked against the
-  synthetic bytes: all of one layer per token (the layer turns with the position; there also
-  ``KEY_ROWS`` of the indexer keys the device holds) and ``sample_rows`` in each of
+  are written at its reserved slot; per layer the ``topk`` best earlier tokens by the score of
+  their key against the request's query for that layer are swapped in from host (``swap_in``;
+  a failed copy tried again, then :class:`SwapInFailed`), and the rows the buffer then holds
+  for them are checked against the synthetic bytes: all of one layer per token (the layer
+  turns with the position; there the selection is made from every key as the device holds it,
+  ``score_keys``, and ``KEY_ROWS`` of those keys are checked) and ``sample_rows`` in each of
   ``SAMPLED_LAYERS`` others (turning too: over a request's decode every layer is checked whole
-  and sampled many times). The query is fixed per request and layer (a stand-in
-  for the locality of real indexer scores: consecutive steps select mostly the same tokens).
+  and sampled many times). The query is fixed per request and layer (a stand-in for the
+  locality of real indexer scores: consecutive steps select mostly the same tokens), so a
+  token's score is computed once and each layer's selection is kept per request, a step
+  comparing only the newest score with the worst one kept.
 
 Logits are :func:`~tiered_kv.engine.synthetic_model.next_token`'s one-hot row, so every way of
 serving decodes the same tokens. Counters as :class:`SyntheticModel`'s, plus the swap-in
@@ -26,21 +28,20 @@ traffic (``swap_hits``, ``swap_loaded``, ``swap_bytes``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tiered_kv.cache.facade import TieredKVCache
 from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
-from tiered_kv.device.dsa_pool import dequantize_index_k, quantize_index_k
+from tiered_kv.device.dsa_pool import quantize_index_k
 from tiered_kv.engine.hisparse_model import StagedKV, SwapKV, swap_in_retried
 from tiered_kv.engine.kv_bytes import HiSparseBytes
+from tiered_kv.engine.sparse_scores import IndexerScores, ScoreMemo
 from tiered_kv.engine.synthetic_kv import SyntheticKV, token_digests
 from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LoadedTokens, _Embed, next_token
 from tiered_kv.errors import InvalidArgumentError
 
-QUERY_STREAM = 1 << 16  # the query's rows: another stream than any layer's indexer keys
 SAMPLE_ROWS = 16  # selected rows checked in each sampled layer
 SAMPLED_LAYERS = 4  # layers sampled per token besides the one checked whole
 KEY_ROWS = 64  # indexer keys checked per token (in the layer checked whole)
@@ -72,13 +73,14 @@ class SyntheticSparseDSA:
         self.bytes = HiSparseBytes(g, self.page_size, serving.buffer_tokens, topk)
         self.latent_bytes = (g.kv_lora_rank + g.qk_rope_head_dim) * g.torch_dtype.itemsize
         self.layers = kv.kv_layers
+        self.scores = IndexerScores(kv, topk, self.page_size)
         self.restores = self.verified_tokens = self.mismatched_tokens = 0
         self.restored_tokens = self.restored_bytes = self.all_full_restored_bytes = 0
         self.computed_tokens = self.recomputed_tokens = 0
         self.swap_hits = self.swap_loaded = self.swap_bytes = self.failed_copies = 0
         self.checked_rows = 0
         self.loaded = LoadedTokens()
-        self._memo: dict[int, _Memo] = {}
+        self._memo: dict[int, tuple[SparseRequest, ScoreMemo]] = {}
         self._rng = np.random.default_rng(0)
 
     # -- the scheduler's call -------------------------------------------------------------------
@@ -153,21 +155,21 @@ class SyntheticSparseDSA:
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, req: SparseRequest, kv: SwapKV, pos: int, digests) -> None:
-        memo, layers = self._memo[id(req)], self.layers
+        memo, layers = self._memo[id(req)][1], self.layers
         every = np.asarray(layers, dtype=np.int64)
         here = [digests[pos]] * len(layers)
         latents = self.kv.kv_rows_of(here, [pos] * len(layers), every)  # every layer at once
-        keys_now = self.kv.index_k_of(here, [pos] * len(layers), every)
-        index_rows = quantize_index_k(keys_now)
+        index_rows = quantize_index_k(self.kv.index_k_of(here, [pos] * len(layers), every))
         slot = kv.slot.to(torch.int64)
         for i, layer in enumerate(layers):  # raw rows at the reserved slot: the pool API's
             local = self.pool.layer_index(layer)  # checks cost more than the write, per layer
             self._raw(self.pool.kv_buffer[local])[slot] = latents[i : i + 1]
             self.pool.index_k_with_scale_buffer[local][slot] = index_rows[i : i + 1]
+        self.scores.score_upto(memo, pos)
+        self.scores.score_own(memo, pos, index_rows)  # its key, scored once for the next steps
         if pos == 0:
             return
-        self._score_new(memo, pos, digests)
-        k = min(self.topk, pos)
+        top = self.scores.top(memo, pos)
         n = len(layers)
         full = pos % n  # this token checks one layer whole and samples a few others
         sampled = {
@@ -176,20 +178,20 @@ class SyntheticSparseDSA:
         bad = False
         checks: list[tuple[int, torch.Tensor, np.ndarray]] = []
         for i, layer in enumerate(layers):
-            scores = torch.from_numpy(memo.scores[i, :pos])
-            if i == full:  # the indexer keys as the device holds them, scored
+            chosen = top[i]
+            if i == full:  # the indexer keys as the device holds them, scored and selected
                 keys = self.serving.score_keys(req, layer)[:pos]
                 at = self._rng.choice(pos, min(pos, KEY_ROWS), replace=False)
-                want = self._keys([digests[j] for j in at], at, [layer] * len(at))
+                want = self.scores.keys([digests[j] for j in at], at, [layer] * len(at))
                 bad |= not torch.equal(keys[at].view(torch.int32), want.view(torch.int32))
-                scores = keys @ memo.queries[i]
-            chosen = torch.topk(scores, k, sorted=False).indices  # any order: a set
-            slots = self._swap_in(req, layer, chosen)
+                k = min(self.topk, pos)
+                chosen = torch.topk(keys @ memo.queries[i], k, sorted=False).indices.numpy()
+            slots = self._swap_in(req, layer, torch.from_numpy(chosen))
             if i == full:
-                checks.append((i, slots, chosen.numpy()))
+                checks.append((i, slots, chosen))
             elif i in sampled:
-                check = self._rng.choice(k, min(k, self.sample_rows), replace=False)
-                checks.append((i, slots[check], chosen.numpy()[check]))
+                check = self._rng.choice(chosen.size, min(chosen.size, self.sample_rows), False)
+                checks.append((i, slots[check], chosen[check]))
         bad |= self._bad_selected(checks, digests)
         self.verified_tokens += 1
         self.mismatched_tokens += bad
@@ -207,30 +209,6 @@ class SyntheticSparseDSA:
         ])  # fmt: skip
         self.checked_rows += len(sel)
         return bool((got != want).any())
-
-    def _keys(self, digests, positions, layers) -> torch.Tensor:
-        """The indexer keys of ``positions`` (one layer per row) as the cache holds them
-        (quantized, dequantized)."""
-        rows = quantize_index_k(self.kv.index_k_of(digests, positions, layers))
-        return dequantize_index_k(rows, self.kv.index_dim)
-
-    def _score_new(self, memo: _Memo, pos: int, digests) -> None:
-        """Score the positions up to ``pos - 1`` not scored yet, every layer at once (a
-        token's key never changes, the query is the request's: only new keys are scored)."""
-        start, n = memo.scored, len(self.layers)
-        if start >= pos:
-            return
-        new = np.arange(start, pos)
-        m = len(new)
-        keys = self._keys(
-            [digests[j] for j in new] * n, np.tile(new, n), np.repeat(self.layers, m)
-        ).reshape(n, m, -1)
-        if pos > memo.scores.shape[1]:  # grown by doubling
-            grown = np.zeros((n, max(2 * memo.scores.shape[1], pos)), dtype=np.float32)
-            grown[:, :start] = memo.scores[:, :start]
-            memo.scores = grown
-        memo.scores[:, start:pos] = torch.einsum("nmd,nd->nm", keys, memo.queries).numpy()
-        memo.scored = pos
 
     @staticmethod
     def _raw(buffer: torch.Tensor) -> torch.Tensor:
@@ -264,27 +242,12 @@ class SyntheticSparseDSA:
         """Prefix digests of positions ``0..end-1`` of ``req`` (kept per live request, with
         its queries and scores)."""
         memo = self._memo.get(id(req))
-        if memo is None or memo.req is not req:
+        if memo is None or memo[0] is not req:
             live = self.serving.live
             self._memo = {k: v for k, v in self._memo.items() if k in live}
-            memo = self._memo[id(req)] = _Memo(req)
-        have = memo.digests
+            digests = token_digests(req.tokens, 0, end, self.page_size, req.prior)
+            memo = self._memo[id(req)] = (req, self.scores.memo(digests))
+        have = memo[1].digests
         if len(have) < end:
             have += token_digests(req.tokens, len(have), end, self.page_size, req.prior)
-        if memo.queries is None:
-            salts = QUERY_STREAM + np.asarray(self.layers, dtype=np.int64)
-            memo.queries = self.kv.index_k_of(have[:1] * len(self.layers), [0] * len(salts), salts)
-            memo.scores = np.zeros((len(self.layers), 256), dtype=np.float32)
         return have
-
-
-@dataclass
-class _Memo:
-    """What the model keeps of one live request: digests by position, the query and the
-    scores so far of each layer."""
-
-    req: SparseRequest
-    digests: list[bytes] = field(default_factory=list)
-    queries: torch.Tensor | None = None  # (layers, index_head_dim)
-    scores: np.ndarray | None = None  # (layers, capacity): the first ``scored`` filled
-    scored: int = 0
