@@ -14,7 +14,7 @@ import torch
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine import presets as P
-from tiered_kv.engine.synthetic_kv import SyntheticKV, token_digests
+from tiered_kv.engine.synthetic_kv import SyntheticKV, rows_differ, token_digests
 from tiered_kv.storage.keys import page_digests
 
 PS = 16
@@ -183,3 +183,20 @@ def test_another_identity_gives_the_same_tokens_other_digests():
     prior = extra_key_prior("lora=a@1")
     assert [lora[p * 5 + 4] for p in range(4)] == page_digests(tokens, 5, prior)
     assert token_digests(tokens, 7, 19, 5, prior) == lora[7:19]
+
+
+@pytest.mark.parametrize("width", [1152, 132, 66, 7, 1])
+def test_rows_differ_finds_every_single_byte_change(width):
+    """rows_differ compares in words where it can: a one-byte change anywhere in a row (any
+    offset inside a word) is found, and only in that row."""
+    gen = torch.Generator().manual_seed(width)
+    want = torch.randint(0, 256, (37, width), dtype=torch.uint8, generator=gen)
+    got = want.clone()
+    assert not rows_differ(got, want).any()
+    rows = torch.randperm(37, generator=gen)[:9]
+    for r in rows.tolist():
+        col = int(torch.randint(0, width, (1,), generator=gen))
+        got[r, col] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+    flagged = torch.zeros(37, dtype=torch.bool)
+    flagged[rows] = True
+    assert torch.equal(rows_differ(got, want), flagged)

@@ -317,7 +317,13 @@ def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode
             if newest is not None and newest not in sel and len(sel) > buffer_size:
                 sel = sel[:buffer_size]
             fail[0] = rng.random() < 0.2
+            before = set(sw.resident(layer).tolist())
             got = sw.swap_in(layer, _t(sel))
+            # copied: the indices into sel of exactly the tokens copied in now (none on failure)
+            want_copied = (
+                [] if fail[0] else [i for i, p in enumerate(sel) if p not in before and p != newest]
+            )
+            assert got.copied.tolist() == want_copied
             assert (got.hits, got.loaded, got.failed.numel()) == model.swap(
                 layer, sel, newest, not fail[0]
             )

@@ -47,6 +47,17 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def rows_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row of two (n, bytes) uint8 tensors, whether they differ anywhere: compared as 8-,
+    4- or 2-byte words where the row length allows (the same answer, several times faster)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        width = dtype.itemsize
+        if got.shape[-1] % width == 0 and got.is_contiguous() and want.is_contiguous():
+            got, want = got.view(dtype), want.view(dtype)
+            break
+    return (got != want).any(dim=-1)
+
+
 def token_digests(tokens, start: int, end: int, page_size: int, prior: bytes = b"") -> list[bytes]:
     """The prefix digest of every position ``start..end-1`` of ``tokens``: SHA-256 of the digest
     of the page before (``prior``, the request identity's chain prior, for the first page) and
@@ -275,14 +286,14 @@ class SyntheticKV:
             want = self.kv_rows(digests[lo:], positions[lo:], layer)
             n, kb = len(idx), self.k_bytes
             got = pool.get_key_buffer(layer)[idx].reshape(n, -1).view(torch.uint8)
-            bad[lo:] |= (got != want[:, :kb]).any(dim=1)
+            bad[lo:] |= rows_differ(got, want[:, :kb].contiguous())
             if self.v_shape is not None:
                 got = pool.get_value_buffer(layer)[idx].reshape(n, -1).view(torch.uint8)
-                bad[lo:] |= (got != want[:, kb:]).any(dim=1)
+                bad[lo:] |= rows_differ(got, want[:, kb:].contiguous())
             if self.index_dim:
                 rows = pool.get_index_k_with_scale_buffer(layer)[idx]
                 want = self.index_k_rows(digests, positions, layer)
-                bad |= (rows != want).any(dim=1)
+                bad |= rows_differ(rows.contiguous(), want.contiguous())
         return bad
 
     def _verify_state(self, cache: TieredKVCache, req: Request, end: int) -> int:

@@ -11,14 +11,14 @@ at a real DSA model's scale (DeepSeek-V3.2): no weights, real latent and indexer
   are written at its reserved slot; per layer the ``topk`` best earlier tokens by the score of
   their key against the request's query for that layer are swapped in from host (``swap_in``;
   a failed copy tried again, then :class:`SwapInFailed`), and the rows the buffer then holds
-  for them are checked against the synthetic bytes: all of one layer per token (the layer
-  turns with the position; there the selection is made from every key as the device holds it,
-  ``score_keys``, and ``KEY_ROWS`` of those keys are checked) and ``sample_rows`` in each of
-  ``SAMPLED_LAYERS`` others (turning too: over a request's decode every layer is checked whole
-  and sampled many times). The query is fixed per request and layer (a stand-in for the
-  locality of real indexer scores: consecutive steps select mostly the same tokens), so a
-  token's score is computed once and each layer's selection is kept per request, a step
-  comparing only the newest score with the worst one kept.
+  for them are checked against the synthetic bytes: every row copied in from host now, in
+  every layer; ``sample_rows`` of the selection (mostly buffer hits) in each of
+  ``SAMPLED_LAYERS`` layers (turning with the position); and every ``FULL_EVERY``-th token one
+  layer whole (turning too), its selection made from every indexer key as the device holds it
+  (``score_keys``) and ``KEY_ROWS`` of those keys checked. The query is fixed per request and
+  layer (a stand-in for the locality of real indexer scores: consecutive steps select mostly
+  the same tokens), so a token's score is computed once and each layer's selection is kept
+  per request, a step comparing only the newest score with the worst one kept.
 
 Logits are :func:`~tiered_kv.engine.synthetic_model.next_token`'s one-hot row, so every way of
 serving decodes the same tokens. Counters as :class:`SyntheticModel`'s, plus the swap-in
@@ -38,13 +38,14 @@ from tiered_kv.device.dsa_pool import quantize_index_k
 from tiered_kv.engine.hisparse_model import StagedKV, SwapKV, swap_in_retried
 from tiered_kv.engine.kv_bytes import HiSparseBytes
 from tiered_kv.engine.sparse_scores import IndexerScores, ScoreMemo
-from tiered_kv.engine.synthetic_kv import SyntheticKV, token_digests
+from tiered_kv.engine.synthetic_kv import SyntheticKV, rows_differ, token_digests
 from tiered_kv.engine.synthetic_model import VOCAB_SIZE, LoadedTokens, _Embed, next_token
 from tiered_kv.errors import InvalidArgumentError
 
 SAMPLE_ROWS = 16  # selected rows checked in each sampled layer
 SAMPLED_LAYERS = 4  # layers sampled per token besides the one checked whole
 KEY_ROWS = 64  # indexer keys checked per token (in the layer checked whole)
+FULL_EVERY = 4  # one layer's whole selection checked every FULL_EVERY-th decode token
 
 
 class SyntheticSparseDSA:
@@ -74,6 +75,8 @@ class SyntheticSparseDSA:
         self.latent_bytes = (g.kv_lora_rank + g.qk_rope_head_dim) * g.torch_dtype.itemsize
         self.layers = kv.kv_layers
         self.scores = IndexerScores(kv, topk, self.page_size)
+        # Each pool layer's latent rows as bytes, (slots, row bytes), sharing its memory
+        self._latent_rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in self.pool.kv_buffer]
         self.restores = self.verified_tokens = self.mismatched_tokens = 0
         self.restored_tokens = self.restored_bytes = self.all_full_restored_bytes = 0
         self.computed_tokens = self.recomputed_tokens = 0
@@ -163,7 +166,7 @@ class SyntheticSparseDSA:
         slot = kv.slot.to(torch.int64)
         for i, layer in enumerate(layers):  # raw rows at the reserved slot: the pool API's
             local = self.pool.layer_index(layer)  # checks cost more than the write, per layer
-            self._raw(self.pool.kv_buffer[local])[slot] = latents[i : i + 1]
+            self._latent_rows[local][slot] = latents[i : i + 1]
             self.pool.index_k_with_scale_buffer[local][slot] = index_rows[i : i + 1]
         self.scores.score_upto(memo, pos)
         self.scores.score_own(memo, pos, index_rows)  # its key, scored once for the next steps
@@ -171,10 +174,11 @@ class SyntheticSparseDSA:
             return
         top = self.scores.top(memo, pos)
         n = len(layers)
-        full = pos % n  # this token checks one layer whole and samples a few others
-        sampled = {
-            (full + 1 + j * n // (SAMPLED_LAYERS + 1) + pos) % n for j in range(SAMPLED_LAYERS)
-        }
+        # Every FULL_EVERY-th token selects one layer (turning) from every indexer key as the
+        # device holds them and checks that layer's whole selection; every token samples
+        # selected rows (mostly buffer hits) in a few layers (turning too).
+        full = (pos // FULL_EVERY) % n if pos % FULL_EVERY == 0 else -1
+        sampled = {(pos + 1 + j * n // (SAMPLED_LAYERS + 1)) % n for j in range(SAMPLED_LAYERS)}
         bad = False
         checks: list[tuple[int, torch.Tensor, np.ndarray]] = []
         for i, layer in enumerate(layers):
@@ -186,10 +190,13 @@ class SyntheticSparseDSA:
                 bad |= not torch.equal(keys[at].view(torch.int32), want.view(torch.int32))
                 k = min(self.topk, pos)
                 chosen = torch.topk(keys @ memo.queries[i], k, sorted=False).indices.numpy()
-            slots = self._swap_in(req, layer, torch.from_numpy(chosen))
+            slots, copied = self._swap_in(req, layer, torch.from_numpy(chosen))
             if i == full:
                 checks.append((i, slots, chosen))
-            elif i in sampled:
+                continue
+            if copied.size:  # every row copied in from host, in every layer
+                checks.append((i, slots[copied], chosen[copied]))
+            if i in sampled:
                 check = self._rng.choice(chosen.size, min(chosen.size, self.sample_rows), False)
                 checks.append((i, slots[check], chosen[check]))
         bad |= self._bad_selected(checks, digests)
@@ -202,20 +209,13 @@ class SyntheticSparseDSA:
         sel = np.concatenate([c[2] for c in checks])
         layers = np.concatenate([np.full(len(c[2]), self.layers[c[0]]) for c in checks])
         want = self.kv.kv_rows_of([digests[j] for j in sel], sel, layers)
-        got = torch.cat([
-            self.pool.kv_buffer[self.pool.layer_index(self.layers[i])][rows]
-            .reshape(len(rows), -1).view(torch.uint8)
-            for i, rows, _ in checks
-        ])  # fmt: skip
+        rows_of = self._latent_rows
+        got = torch.cat([rows_of[self.pool.layer_index(self.layers[i])][r] for i, r, _ in checks])
         self.checked_rows += len(sel)
-        return bool((got != want).any())
+        return bool(rows_differ(got, want.contiguous()).any())
 
-    @staticmethod
-    def _raw(buffer: torch.Tensor) -> torch.Tensor:
-        """A pool layer's rows as bytes, (slots, row bytes), sharing its memory."""
-        return buffer.view(torch.uint8).view(buffer.shape[0], -1)
-
-    def _swap_in(self, req: SparseRequest, layer: int, chosen: torch.Tensor) -> torch.Tensor:
+    def _swap_in(self, req: SparseRequest, layer: int, chosen: torch.Tensor):
+        """Swap ``chosen`` in; their device slots and the indices of those copied now."""
         got, failed = swap_in_retried(self.serving, req, layer, chosen, self.retries)
         self.failed_copies += failed
         self.swap_hits += got.hits
@@ -223,7 +223,7 @@ class SyntheticSparseDSA:
         nbytes = got.loaded * self.latent_bytes
         self.swap_bytes += nbytes
         self.loaded.host_bytes += nbytes  # host -> device over the modeled link
-        return got.device_slots.to(torch.int64)
+        return got.device_slots.to(torch.int64), got.copied
 
     # -- checks -----------------------------------------------------------------------------------
     def _bad_rows(self, layer: int, rows: torch.Tensor, digests, positions) -> torch.Tensor:
@@ -232,11 +232,11 @@ class SyntheticSparseDSA:
         local = self.pool.layer_index(layer)
         n = len(rows)
         got = self.pool.kv_buffer[local][rows].reshape(n, -1).view(torch.uint8)
-        bad = (got != self.kv.kv_rows(digests, positions, layer)).any(dim=1)
+        bad = rows_differ(got, self.kv.kv_rows(digests, positions, layer).contiguous())
         index = self.pool.index_k_with_scale_buffer[local][rows].reshape(n, -1).view(torch.uint8)
         want = self.kv.index_k_rows(digests, positions, layer).reshape(n, -1).view(torch.uint8)
         self.checked_rows += n
-        return bad | (index != want).any(dim=1)
+        return bad | rows_differ(index.contiguous(), want.contiguous())
 
     def _digests_of(self, req: SparseRequest, end: int) -> list[bytes]:
         """Prefix digests of positions ``0..end-1`` of ``req`` (kept per live request, with

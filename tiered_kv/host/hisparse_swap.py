@@ -48,6 +48,7 @@ from tiered_kv.host.pool_group import HostPoolGroup
 
 _CPU = torch.device("cpu")
 _NONE = torch.empty(0, dtype=torch.int64)  # SwapIn.failed when nothing failed
+_NO_ROWS = np.empty(0, dtype=np.int64)  # SwapIn.copied when nothing was copied
 HostPool = HostPoolGroup | HostKVCache  # DSA: the latent and indexer members; MLA: one pool
 
 
@@ -56,6 +57,7 @@ class SwapIn(NamedTuple):
     hits: int  # already resident (the newest token included)
     loaded: int  # copied in from host now
     failed: torch.Tensor  # positions whose copy failed: non-resident, read nothing for them
+    copied: np.ndarray = _NO_ROWS  # indices into the selection copied now
 
 
 class HiSparseSwapper:
@@ -259,10 +261,15 @@ class HiSparseSwapper:
         hits = sel.size - miss.size
         loaded = miss.size if ok else 0
         failed = _NONE if ok else torch.from_numpy(miss)
+        copied = _NO_ROWS
+        if ok and miss.size:
+            copied = np.flatnonzero(missing)
+            copied = copied if is_new is None else np.flatnonzero(~is_new)[copied]
         self.num_hits += hits
         self.num_loaded += loaded
         self.num_failed += failed.numel()
-        return SwapIn(torch.from_numpy(slots).to(self.buffer.device), hits, loaded, failed)
+        slots_t = torch.from_numpy(slots).to(self.buffer.device)
+        return SwapIn(slots_t, hits, loaded, failed, copied)
 
     def _check_positions(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
         """The positions as int64 numpy and where the newest token is among them (None: not
