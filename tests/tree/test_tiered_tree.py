@@ -250,3 +250,18 @@ def test_stale_copy_is_never_matched_nor_built_upon():
     check_tree(tree)
     with pytest.raises(StateError, match="not on the device"):
         tree.mark_stale(node)
+
+
+def test_page_key_is_whole_pages_of_python_ints_from_any_token_container():
+    import numpy as np
+
+    from tiered_kv.tree.node import page_key
+
+    gen = np.random.default_rng(11)
+    toks = gen.integers(0, 2**31, 37).tolist()
+    want = tuple(toks[:32])
+    for given in (toks, np.asarray(toks), torch.tensor(toks), [np.int64(t) for t in toks]):
+        got = page_key(given, 8)
+        assert got == want and all(type(t) is int for t in got)
+    assert page_key(toks[:5], 8) == ()
+    assert page_key([True, 2, 3, 4], 4) == (1, 2, 3, 4)  # not all ints: converted one by one

