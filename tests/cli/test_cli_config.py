@@ -215,6 +215,7 @@ def test_missing_file_and_invalid_toml(capsys, tmp_path):
 
 def test_config_drives_a_real_sim_run_and_flags_still_win(capsys, tmp_path):
     out = tmp_path / "out" / "sim.json"
+    out.parent.mkdir()  # --json's folder must exist (checked before the run, issue 30)
     cfg = _toml(
         tmp_path,
         f'no-progress = true\njson = "{out}"\n'

@@ -275,6 +275,7 @@ def _check_sim_rows(res: dict) -> None:
 
 def test_sim_json_matches_readme_and_the_table(capsys, tmp_path):
     path = tmp_path / "sub" / "sim.json"
+    path.parent.mkdir()  # --json's folder must exist (checked before the run, issue 30)
     assert main(["sim", *SIM_ARGS, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     res = json.loads(path.read_text())

@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from tiered_kv import platform
 from tiered_kv.storage_config import BACKEND_HINT, StorageConfig, backend_ok
 
 
@@ -74,6 +73,8 @@ def name_list(choices: tuple[str, ...]):
 
 
 def default_cache_dir() -> Path:
+    from tiered_kv import platform  # imports torch: not while the parser is built
+
     return platform.cache_dir()
 
 
@@ -89,7 +90,8 @@ def json_object(text: str) -> dict:
 
 
 def add_storage_backend_arguments(group) -> None:
-    """``--storage-backend``, ``--storage-options`` and ``--storage-local-copy`` on ``group``."""
+    """``--storage-backend``, ``--storage-options``, ``--storage-local-copy`` and
+    ``--storage-optional`` on ``group``."""
     group.add_argument(
         "--storage-backend",
         default=StorageConfig.storage_backend,
@@ -107,9 +109,16 @@ def add_storage_backend_arguments(group) -> None:
         help="keep a local store in front of a remote backend (a node's hot pages survive "
         "restarts and outages of the shared store)",
     )
+    group.add_argument(
+        "--storage-optional",
+        action="store_true",
+        help="a remote backend that cannot be reached at the start is not an error: serve "
+        "without it (every lookup a miss until it answers; the summary says so)",
+    )
 
 
 def check_storage_backend(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse a malformed ``--storage-backend`` (an unimportable one fails when opened)."""
+    """Refuse a malformed ``--storage-backend`` (an unimportable or unreachable one is refused
+    when the command starts, before any work: ``store_status.check_remote_store``)."""
     if not backend_ok(args.storage_backend):
         parser.error(f"--storage-backend {args.storage_backend!r}: use {BACKEND_HINT}")

@@ -14,29 +14,14 @@ import argparse
 import itertools
 import tempfile
 
-import torch
+import psutil
 from tqdm import tqdm
 
-from tiered_kv.bench.machine import LoadWatch, machine_info, noise_check
-from tiered_kv.bench.report import config_of
-from tiered_kv.bench.storage import host_case, kv_store_times
-from tiered_kv.bench.timing import gbps, interleave, median
-from tiered_kv.bench.transfer import (
-    ContiguousBaseline,
-    Geometry,
-    TransferCase,
-    config_generator,
-    make_allocator,
-    make_host,
-    make_pool,
-    measure_transfer,
-)
-from tiered_kv.bench.transfer_check import verify_transfer
-from tiered_kv.bench.verify import fill_random
 from tiered_kv.cli.args import name_list, positive_int
+from tiered_kv.cli.preflight import check_fits
 from tiered_kv.cli.report import table, write_json
-from tiered_kv.config import StorageConfig
 from tiered_kv.names import StorageLayout
+from tiered_kv.storage_config import StorageConfig
 
 HELP = "host-memory benchmarks: device <-> host per layout / io backend / page size, host <-> disk"
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -74,14 +59,58 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--page-sizes {args.page_sizes!r}: powers of two >= 1 (bad: {bad})")
     if any(args.tokens % s for s in sizes):
         parser.error(f"--tokens {args.tokens} must be a multiple of every page size {sizes}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
     args.page_sizes = sizes
+    _check_memory(args)
+
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse, before allocating, a case that cannot fit: its device pool (two transfers'
+    tokens and padding pages), host pool (one transfer's) and contiguous baseline (a pair of
+    one transfer's bytes), per token over every layer's K and V."""
+    per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE_BYTES[args.dtype]
+    pool = (2 * args.tokens + 3 * max(args.page_sizes)) * per_token
+    one = args.tokens * per_token
+    what = f"--tokens {args.tokens}"
+    fix = "--tokens (or --layers, --kv-heads, --head-dim, --dtype)"
+    ram = psutil.virtual_memory().available
+    if args.device == "cuda":
+        import torch
+
+        gpu = torch.cuda.mem_get_info()[0]
+        check_fits("bench", what, [("device pool", pool), ("baseline", one)], gpu, "the GPU", fix)
+        parts = [("host pool", one), ("baseline", one)]
+    else:
+        parts = [("device pool", pool), ("host pool", one), ("baseline", 2 * one)]
+    check_fits("bench", what, parts, ram, "this machine", fix)
 
 
 def _device_host(args, layout, io, page, pin, device) -> tuple[dict, list[str]]:
     """One configuration through the library's measurement (``tiered_kv.bench.transfer``): its
     JSON row, and why its baseline was noisy (empty if it was not)."""
+    import torch
+
+    from tiered_kv.bench.machine import noise_check
+    from tiered_kv.bench.transfer import (
+        ContiguousBaseline,
+        Geometry,
+        TransferCase,
+        config_generator,
+        make_allocator,
+        make_host,
+        make_pool,
+        measure_transfer,
+    )
+    from tiered_kv.bench.transfer_check import verify_transfer
+    from tiered_kv.bench.verify import fill_random
+
     geom = Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
     size = 2 * args.tokens + 2 * page
     pool = make_pool(geom, size, page, device)
@@ -120,6 +149,13 @@ def _device_host(args, layout, io, page, pin, device) -> tuple[dict, list[str]]:
 
 def _host_storage(args) -> dict:
     """Set and warm get of host pages in the disk store (``tiered_kv.bench.storage``), medians."""
+    import torch
+
+    from tiered_kv.bench.storage import host_case, kv_store_times
+    from tiered_kv.bench.timing import gbps, interleave, median
+    from tiered_kv.bench.transfer import Geometry, make_allocator, make_host, make_pool
+    from tiered_kv.bench.verify import fill_random
+
     dtype = getattr(torch, args.dtype)
     page = args.page_sizes[-1]
     cpu = torch.device("cpu")
@@ -152,6 +188,11 @@ def _host_storage(args) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from tiered_kv.bench.machine import LoadWatch, machine_info, noise_check
+    from tiered_kv.bench.report import config_of
+
     device = torch.device(args.device)
     pins = (True, False) if device.type == "cuda" else (None,)
     combos = list(itertools.product(args.layouts, args.io_backends, args.page_sizes, pins))

@@ -10,14 +10,21 @@ with status 2 and a message naming the flag), writes ``--json PATH`` next to the
 and accepts ``--config FILE.toml`` whose keys mirror the flags (``users = 8``, ``device-tokens =
 2048`` or ``device_tokens = 2048``) at the top level or in the command's own table (``[run]``,
 ``[run-reference]``, ``[sim]``, ``[bench]``; ``[run_reference]`` is the same table), whose keys
-win over the top level's; flags given on the command line win over the file.
+win over the top level's; flags given on the command line win over the file. What would fail
+later (the ``--json`` path, a store directory or server, a port, the memory a run needs) is
+refused before any work (``cli.preflight``), and Ctrl-C ends any of them with one line on stderr
+and status 130 after its cleanup.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 try:
     import tomllib
@@ -27,6 +34,7 @@ except ImportError:  # Python 3.10
 from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
 from tiered_kv.cli.args import json_object
 from tiered_kv.cli.observe import add_log_argument, setup_logging
+from tiered_kv.cli.preflight import check_output_file
 
 COMMANDS = {"run": scale_cmd, "run-reference": run_cmd, "sim": sim_cmd, "bench": bench_cmd}
 
@@ -67,6 +75,12 @@ def _config_defaults(
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: {exc.strerror}\n")
     except tomllib.TOMLDecodeError as exc:
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: not TOML ({exc})\n")
+    except UnicodeDecodeError as exc:
+        parser.exit(
+            2,
+            f"tiered-kv {command}: error: --config {path}: not UTF-8 text (byte {exc.start}); "
+            "give a TOML file\n",
+        )
 
     def fail(message: str) -> None:
         parser.exit(2, f"tiered-kv {command}: error: --config {path}: {message}\n")
@@ -127,6 +141,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
         sub.set_defaults(**_config_defaults(parser, sub, args.command, args.config))
         args = parser.parse_args(argv)
+    check_output_file(args.command, "--json", args.json)  # a run's result is written last
     COMMANDS[args.command].validate(
         args, parser._subparsers._group_actions[0].choices[args.command]
     )  # noqa: SLF001
@@ -134,9 +149,47 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
-    setup_logging(args.log_level)
-    return COMMANDS[args.command].main(args)
+    """Run one command; its exit status. Ctrl-C (SIGINT) ends it with one line on stderr and
+    status 130 (128 + SIGINT, as a shell reports a command the signal ended), after the
+    command's own cleanup (its caches and stores closed, its temporary folders removed); a
+    second Ctrl-C during that cleanup ends the process at once. A stdout whose reader went away
+    (``| head``) ends it quietly with status 141."""
+    with _interruptible():
+        try:
+            args = parse(argv)
+            setup_logging(args.log_level)
+            return COMMANDS[args.command].main(args)
+        except KeyboardInterrupt:
+            print("tiered-kv: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # stdout's reader went away (`| head`): stop quietly
+            # Python's flush at exit would fail on the closed pipe again: point stdout at null.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE, as a shell reports a writer the pipe ended
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt once; another while the first unwinds exits at once
+    (status 130, no traceback). Only from the main thread (a signal handler is set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def again(signum, frame) -> None:
+        print("tiered-kv: interrupted again; exiting without cleanup", file=sys.stderr)
+        os._exit(130)
+
+    def first(signum, frame) -> None:
+        signal.signal(signal.SIGINT, again)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        # None: the handler before was not set from Python; the default one is what it was.
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""What a run shows an operator while it serves: its log records (``--log-level``) and an
-optional Prometheus endpoint (``tiered-kv run --metrics-port``) serving the registry of the
-cache in use.
+"""What a run shows an operator: its log records (``--log-level``), its progress on stderr
+(:mod:`~tiered_kv.cli.progress`), and its Prometheus metrics
+(:mod:`~tiered_kv.cli.run_metrics`) on an optional endpoint (``tiered-kv run --metrics-port``)
+and in an optional file written at the end (``--metrics-file``).
 
 The library only names its loggers (``tiered_kv.*``, a ``NullHandler`` on the top one); this is
 where an application decides where records go. The endpoint is prometheus_client's own HTTP
-server on a daemon thread, bound to loopback unless told otherwise, shut down when the run ends.
+server on a daemon thread, bound to loopback unless told otherwise. It serves from the start of
+the run to its end, the final values after the report is printed, and ``--metrics-linger``
+seconds more if asked (a scraper's interval: 15 s is Prometheus' usual), then shuts down.
 """
 
 from __future__ import annotations
@@ -12,11 +15,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
+import os
+import sys
+import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from tiered_kv.cli.progress import RunProgress
+from tiered_kv.cli.run_metrics import RunMetrics
+from tiered_kv.errors import InvalidArgumentError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -36,14 +47,54 @@ def add_metrics_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) 
         "--metrics-port",
         type=port_number,
         default=0,
-        help="serve the cache's Prometheus metrics over HTTP on this port while the run lasts "
-        "(0: no endpoint)",
+        help="serve the run's Prometheus metrics (every mode's, labelled mode=...) over HTTP "
+        "on this port until the run ends (0: no endpoint)",
     )
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         help="the address the metrics endpoint binds (0.0.0.0: every interface)",
     )
+    p.add_argument(
+        "--metrics-linger",
+        type=seconds,
+        default=0.0,
+        metavar="S",
+        help="after the report, keep the endpoint serving the final values S seconds more, for "
+        "a last scrape (Ctrl-C ends the wait)",
+    )
+    p.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="at the end, write the run's final metrics there in the Prometheus text format "
+        "(atomically: written beside it, then renamed)",
+    )
+
+
+def check_metrics_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse, before the run, what would fail or do nothing at its end."""
+    if args.metrics_linger and not args.metrics_port:
+        parser.error(f"--metrics-linger {args.metrics_linger:g} needs --metrics-port")
+    if args.metrics_file:
+        path = os.path.abspath(args.metrics_file)
+        parent = os.path.dirname(path)
+        if os.path.isdir(path):
+            parser.error(f"--metrics-file {args.metrics_file}: is a directory; name a file")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            parser.error(
+                f"--metrics-file {args.metrics_file}: cannot write in {parent}; name a file in "
+                "an existing writable directory"
+            )
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 seconds")
+    return value
 
 
 def port_number(text: str) -> int:
@@ -66,31 +117,20 @@ def setup_logging(level: str) -> None:
 
 
 class _Shown(Collector):
-    """Whatever registry the endpoint shows now (nothing before the first)."""
+    """Whatever the endpoint shows now (nothing before the first ``show``)."""
 
     def __init__(self) -> None:
-        self.registry: CollectorRegistry | None = None
-        self.mode: str | None = None
+        self.source: Collector | None = None
 
     def collect(self) -> Iterator[Metric]:
-        registry, mode = self.registry, self.mode
-        if registry is None:
-            return
-        if mode is not None:
-            shown = GaugeMetricFamily(
-                "tiered_kv_run_mode",
-                "1 for the mode of the run whose cache these metrics are (counters restart "
-                "with each mode's cache).",
-                labels=["mode"],
-            )
-            shown.add_metric([mode], 1)
-            yield shown
-        yield from registry.collect()
+        source = self.source
+        if source is not None:
+            yield from source.collect()
 
 
 class MetricsEndpoint:
     """An HTTP server on ``host:port`` (port 0: one the system picks, see ``port``) answering
-    every path with the text exposition of the registry ``show`` named last."""
+    every path with the text exposition of what ``show`` named last."""
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self._shown = _Shown()
@@ -100,9 +140,9 @@ class MetricsEndpoint:
         self.host = host
         self.port: int = self._server.server_port
 
-    def show(self, registry: CollectorRegistry, mode: str | None = None) -> None:
-        """Serve ``registry`` from now on (a cache's ``registry``), labelled with ``mode``."""
-        self._shown.registry, self._shown.mode = registry, mode
+    def show(self, source: Collector) -> None:
+        """Serve ``source`` from now on (a registry, or a collector: a run's ``RunMetrics``)."""
+        self._shown.source = source
 
     def close(self) -> None:
         """Stop serving and free the port (the thread ends). Safe twice."""
@@ -125,3 +165,91 @@ def metrics_endpoint(port: int, host: str = "127.0.0.1") -> Iterator[MetricsEndp
         yield endpoint
     finally:
         endpoint.close()
+
+
+def write_metrics_file(path: str, source: Collector) -> None:
+    """``source``'s text exposition in ``path``, whole or not at all (written beside it, then
+    renamed over it)."""
+    try:
+        write_to_textfile(path, source)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"--metrics-file {path}: cannot write it ({exc.strerror or exc}); name a file in a "
+            "writable directory"
+        ) from None
+
+
+class RunObservers:
+    """A run's progress and metrics behind ``run_scale``'s hooks (``hooks``): the progress
+    unless ``--no-progress``, the metrics when an endpoint or a file wants them."""
+
+    def __init__(self, args: argparse.Namespace, modes: tuple[str, ...], turns: int) -> None:
+        self.args = args
+        self.progress = None if args.no_progress else RunProgress(modes, turns)
+        want = args.metrics_port or args.metrics_file
+        self.metrics = RunMetrics() if want else None
+        self.endpoint: MetricsEndpoint | None = None
+
+    @property
+    def hooks(self) -> dict:
+        return {
+            "on_cache": self._on_cache,
+            "on_progress": self.progress.update if self.progress else None,
+            "on_mode_done": self._on_mode_done,
+        }
+
+    def _on_cache(self, mode: str, cache) -> None:
+        if self.metrics is not None:
+            self.metrics.on_cache(mode, cache)
+        if self.progress is not None:
+            self.progress.start(mode)
+
+    def _on_mode_done(self, mode: str, report: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.on_mode_done(mode, report)
+        if self.progress is not None:
+            self.progress.mode_done(mode, report)
+
+    def finish(self) -> None:
+        """After the report: the metrics are final; write ``--metrics-file``; keep the
+        endpoint up ``--metrics-linger`` seconds (Ctrl-C ends the wait, not the run's
+        status)."""
+        if self.metrics is None:
+            return
+        self.metrics.finish()
+        if self.args.metrics_file:
+            write_metrics_file(self.args.metrics_file, self.metrics)
+        linger, endpoint = self.args.metrics_linger, self.endpoint
+        if linger and endpoint is not None:
+            sys.stdout.flush()  # the report is out before the wait, even into a pipe
+            url = f"http://{endpoint.host}:{endpoint.port}/metrics"
+            print(f"final metrics at {url} for {linger:g} s (Ctrl-C ends)", file=sys.stderr)
+            try:
+                time.sleep(linger)
+            except KeyboardInterrupt:
+                pass
+
+
+@contextlib.contextmanager
+def observed_run(
+    args: argparse.Namespace, modes: tuple[str, ...], turns: int
+) -> Iterator[RunObservers]:
+    """The run's observers for the ``with`` block, its endpoint (``--metrics-port``) up for
+    all of it; the progress bar and the endpoint taken down at its end, however it ends."""
+    run = RunObservers(args, modes, turns)
+    with metrics_endpoint(args.metrics_port, args.metrics_host) as endpoint:
+        if endpoint is not None:
+            endpoint.show(run.metrics)
+            run.endpoint = endpoint
+        try:
+            if run.progress is not None and run.progress.bar:
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                # Log records printed above the bar instead of through it.
+                with logging_redirect_tqdm():
+                    yield run
+            else:
+                yield run
+        finally:
+            if run.progress is not None:
+                run.progress.close()

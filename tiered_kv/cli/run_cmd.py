@@ -15,13 +15,12 @@ import hashlib
 import json
 import random
 import shutil
-import statistics
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from tiered_kv.cache import TieredKVCache
 from tiered_kv.cli.args import (
     add_storage_backend_arguments,
     check_storage_backend,
@@ -29,14 +28,10 @@ from tiered_kv.cli.args import (
     non_negative_int,
     positive_int,
 )
-from tiered_kv.cli.report import table, write_json
-from tiered_kv.config import StorageConfig, TieredKVConfig
-from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
-from tiered_kv.engine.hybrid import HybridModelConfig, TinyHybrid
-from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
-from tiered_kv.engine.model import ModelConfig, TinyLlama
-from tiered_kv.engine.serve import Server
-from tiered_kv.engine.swa import SWAModelConfig, TinySWA
+from tiered_kv.cli.preflight import check_store_dir
+from tiered_kv.cli.report import write_json
+from tiered_kv.cli.run_report import print_report, summarize
+from tiered_kv.cli.store_status import check_remote_store, problem_lines
 from tiered_kv.errors import StorageOpenError
 from tiered_kv.names import (
     EvictionPolicyName,
@@ -45,9 +40,12 @@ from tiered_kv.names import (
     StorageLayout,
     WritePolicy,
 )
+from tiered_kv.storage_config import StorageConfig, is_embedded
+
+if TYPE_CHECKING:
+    from tiered_kv.engine.model import ModelConfig
 
 HELP = "tiny reference models, real compute: serve with offload, verify the logits bitwise"
-REL_TOLERANCE = 1e-6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,8 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--storage-mib", type=positive_int, default=256)
     c.add_argument(
         "--store",
-        default=str(default_cache_dir() / "run-store"),
-        help="store directory (kept between runs)",
+        default=None,
+        help="store directory, kept between runs (created if its parent exists); None: "
+        "run-store in the cache directory ($TIERED_KV_CACHE_DIR, else ~/.cache/tiered_kv)",
     )
     c.add_argument(
         "--storage-layout",
@@ -140,6 +139,16 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             f"the last round's prompt needs up to {longest} tokens on the device; "
             f"raise --device-tokens (now {args.device_tokens}) or shrink the workload"
         )
+    default = args.store is None
+    if default:
+        args.store = str(default_cache_dir() / "run-store")
+    if uses_store_dir(args):  # the default's parents are created with it
+        check_store_dir("run-reference", "--store", args.store, create=True, parents=default)
+
+
+def uses_store_dir(args: argparse.Namespace) -> bool:
+    """Whether the run keeps pages under ``--store`` (not a remote store alone)."""
+    return is_embedded(args.storage_backend) or args.storage_local_copy
 
 
 def workload(args) -> list[tuple[int, int, list[int]]]:
@@ -164,8 +173,18 @@ def model_identity(mc: ModelConfig) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from tiered_kv.cache import TieredKVCache
+    from tiered_kv.config import TieredKVConfig
+    from tiered_kv.engine.dsa import DSAModelConfig, TinyDSA
+    from tiered_kv.engine.hybrid import HybridModelConfig, TinyHybrid
+    from tiered_kv.engine.mla import MLAModelConfig, TinyMLA
+    from tiered_kv.engine.model import ModelConfig, TinyLlama
+    from tiered_kv.engine.serve import Server
+    from tiered_kv.engine.swa import SWAModelConfig, TinySWA
+
+    store_off = check_remote_store("run-reference", args)
     store = args.store
-    if args.fresh:
+    if args.fresh and uses_store_dir(args):  # a remote store alone keeps nothing there
         shutil.rmtree(store, ignore_errors=True)
     if args.attention in (ModelKind.MLA, ModelKind.DSA):
         config_cls = DSAModelConfig if args.attention == ModelKind.DSA else MLAModelConfig
@@ -278,104 +297,10 @@ def main(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     result = summarize(args, cfg, records, stats, elapsed)
     print_report(result)
+    if store_off:
+        print(f"storage: {store_off}")
+    for line in problem_lines(stats["storage"]):  # what the JSON's storage counters say went wrong
+        print(line)
     write_json(args.json, result)
     # 1 only when verification ran and failed; --no-verify (passed is None) is a success.
     return 1 if result["verification"]["passed"] is False else 0
-
-
-def summarize(args, cfg, records, stats, elapsed) -> dict:
-    prompt = sum(r["prompt_tokens"] for r in records)
-    hits = {t: sum(r[t] for r in records) for t in ("device", "host", "storage", "recomputed")}
-    verified = [r for r in records if r["max_rel_diff"] is not None]
-    worst = max((r["max_rel_diff"] for r in verified), default=None)
-    passed = bool(verified) and all(r["max_rel_diff"] <= REL_TOLERANCE for r in verified)
-    cached = [r for r in records if r["recomputed"] * 2 <= r["prompt_tokens"]]
-    ttft = {
-        "requests_compared": len(cached),
-        "restored_median_s": statistics.median(r["ttft_s"] for r in cached) if cached else None,
-        "recompute_median_s": statistics.median(r["recompute_ttft_s"] for r in cached)
-        if cached and all(r["recompute_ttft_s"] is not None for r in cached)
-        else None,
-        "speedup": None,  # always present (the README's key table); None when not measured
-    }
-    if ttft["restored_median_s"] and ttft["recompute_median_s"]:
-        ttft["speedup"] = ttft["recompute_median_s"] / ttft["restored_median_s"]
-    return {
-        "command": "run-reference",
-        "store": args.store,
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "config")},
-        "requests": len(records),
-        "prompt_tokens": prompt,
-        "generated_tokens": sum(r["new_tokens"] for r in records),
-        "hits": hits,
-        "transfers": stats["transfer"],
-        "evictions": stats["evictions"],
-        "storage": stats["storage"],
-        "state": stats["state"],
-        "ttft": ttft,
-        "verification": {
-            "requests": len(verified),
-            "bitwise": sum(bool(r["bitwise"]) for r in verified),
-            "max_rel_diff": worst,
-            "tolerance": REL_TOLERANCE,
-            "passed": passed if verified else None,
-            "prefixes": stats["verify"],  # restored prefixes recomputed before their prefill
-        },
-        "elapsed_s": elapsed,
-        "per_request": records,
-    }
-
-
-def print_report(res: dict) -> None:
-    total = max(1, res["prompt_tokens"])
-    h = res["hits"]
-    print(
-        f"\n{res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
-        f"{res['generated_tokens']} generated, {res['elapsed_s']:.1f} s; store {res['store']}"
-    )
-    print(
-        table(
-            ["prompt tokens from", "tokens", "share"],
-            [[t, h[t], f"{100 * h[t] / total:.1f}%"] for t in h],
-        )
-    )
-    rows = [
-        [d, v["bytes"] / 2**20, v["seconds"] * 1e3, v["gbps"], v["ops"], v["failed_ops"]]
-        for d, v in res["transfers"].items()
-    ]
-    print()
-    print(table(["transfer", "MiB", "ms", "GB/s", "ops", "failed"], rows))
-    st = res["state"]
-    if st["captured"]:
-        print(
-            f"\nrecurrent state: {st['captured']} snapshots kept ({st['stored']} stored); "
-            f"restored from device {st['restored_device']}, host {st['restored_host']}, "
-            f"storage {st['restored_storage']}; {st['trimmed_tokens']} matched tokens cut back "
-            f"for want of a snapshot; {st['store_misses'] + st['errors']} misses"
-        )
-    t = res["ttft"]
-    print()
-    if t["restored_median_s"] is not None and t["recompute_median_s"] is not None:
-        print(
-            f"time to first token (median of {t['requests_compared']} requests with at least "
-            f"half the prompt cached): restored {t['restored_median_s'] * 1e3:.1f} ms, "
-            f"recomputed {t['recompute_median_s'] * 1e3:.1f} ms "
-            f"({t['speedup'] or 0:.1f}x)"
-        )
-    else:
-        print("time to first token: no request had half its prompt cached (or --no-verify)")
-    v = res["verification"]
-    if v["passed"] is None:
-        print("verification: skipped (--no-verify)")
-    else:
-        print(
-            f"verification: {v['requests']} requests against a no-cache run, "
-            f"{v['bitwise']} bitwise equal, max relative difference {v['max_rel_diff']:.2e} "
-            f"(tolerance {v['tolerance']:g}): {'PASS' if v['passed'] else 'FAIL'}"
-        )
-        p = v["prefixes"]
-        print(
-            f"restored prefixes: {p['sampled']} recomputed with caching disabled and compared "
-            f"before their prefill, {p['verified']} equal, {p['mismatched']} wrong "
-            f"({p['quarantined_pages']} pages quarantined), {p['errors']} verifier errors"
-        )

@@ -14,31 +14,36 @@ import argparse
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
+from tiered_kv.cli import preflight, run_defaults
 from tiered_kv.cli.args import (
     add_storage_backend_arguments,
     check_storage_backend,
     fraction,
     positive_int,
 )
-from tiered_kv.cli.observe import add_metrics_arguments, metrics_endpoint
+from tiered_kv.cli.observe import add_metrics_arguments, check_metrics_arguments, observed_run
+from tiered_kv.cli.progress import add_progress_argument
 from tiered_kv.cli.report import table, write_json
+from tiered_kv.cli.run_defaults import PRESET_COST_MODELS, PRESET_SCALES, SERVED
+from tiered_kv.cli.store_status import StoreWatch, check_remote_store, problem_lines
 from tiered_kv.engine.cost_model import COST_MODELS
-from tiered_kv.engine.presets import PRESETS
-from tiered_kv.engine.scale_run import MODES, TIERED, run_scale
-from tiered_kv.engine.scale_workload import PRESET_COST_MODELS, PRESET_SCALES, ScaleConfig, sizes
-from tiered_kv.engine.synthetic_model import LinkModel
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import ModelKind
+from tiered_kv.storage_config import is_embedded
+
+if TYPE_CHECKING:
+    from tiered_kv.engine.scale_workload import ScaleConfig
 
 HELP = (
     "the main job: a long-context workload at real model scale, tiered vs device-only vs "
     "recompute vs tiered with the load planner (synthetic KV, modeled compute)"
 )
-_D = ScaleConfig()
-# What the batched scheduler serves: full attention, sliding-window and hybrid-linear caches.
+_D = run_defaults.SCALE  # ScaleConfig()'s, without importing torch to build the parser
+# What the batched scheduler serves: full attention, sliding-window and hybrid-linear caches
+# (SERVED: the presets of these kinds).
 SERVED_KINDS = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA, ModelKind.SWA, ModelKind.HYBRID_LINEAR)
-SERVED = tuple(p for p, v in PRESETS.items() if v.to_geometry().model in SERVED_KINDS)
 
 
 def _positive_float(text: str) -> float:
@@ -92,7 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--store-dir", default=None, help="where the store's temporary directory goes")
     add_storage_backend_arguments(c)
-    add_metrics_arguments(p.add_argument_group("observability"))
+    observe = p.add_argument_group("observability")
+    add_progress_argument(observe)
+    add_metrics_arguments(observe)
     m = p.add_argument_group("modeled time")
     by_preset = ", ".join(f"{p} {c}" for p, c in PRESET_COST_MODELS.items())
     m.add_argument(
@@ -100,16 +107,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(COST_MODELS),
         help=f"None: the preset's own ({by_preset})",
     )
-    links = LinkModel()
-    m.add_argument(
-        "--pcie-gbps", type=_positive_float, default=links.host_to_device_bytes_per_s / 1e9
-    )
-    m.add_argument(
-        "--disk-gbps", type=_positive_float, default=links.storage_to_host_bytes_per_s / 1e9
-    )
+    m.add_argument("--pcie-gbps", type=_positive_float, default=run_defaults.PCIE_GBPS)
+    m.add_argument("--disk-gbps", type=_positive_float, default=run_defaults.DISK_GBPS)
 
 
 def config_of(args: argparse.Namespace) -> ScaleConfig:
+    from tiered_kv.engine.scale_workload import ScaleConfig
+    from tiered_kv.engine.synthetic_model import LinkModel
+
     links = LinkModel()
     given = (args.pcie_gbps * 1e9, args.disk_gbps * 1e9)
     if given != (links.host_to_device_bytes_per_s, links.storage_to_host_bytes_per_s):
@@ -123,15 +128,31 @@ def config_of(args: argparse.Namespace) -> ScaleConfig:
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     check_storage_backend(args, parser)
+    check_metrics_arguments(args, parser)
+    if args.active_users > args.users:
+        parser.error(
+            f"--active-users {args.active_users} must be <= --users {args.users} (the users "
+            "in session at once, out of all of them)"
+        )
+    # What would fail later, refused before any work (one line, status 2).
+    if args.store_dir is not None:  # every mode's temporary directory goes there
+        preflight.check_store_dir("run", "--store-dir", args.store_dir)
+    preflight.check_port_free("run", args.metrics_host, args.metrics_port)
     try:
-        config_of(args)
+        cfg = config_of(args)
     except InvalidArgumentError as exc:
         parser.error(str(exc))
+    preflight.check_run_fits(cfg)
 
 
 def main(args: argparse.Namespace) -> int:
+    from tiered_kv.engine.scale_run import default_modes, run_scale
+    from tiered_kv.engine.scale_workload import sizes
+
+    store_off = check_remote_store("run", args)
     cfg = config_of(args)
     s = sizes(cfg)
+    tier = "disk" if is_embedded(args.storage_backend) else f"{args.storage_backend} store"
     held = ""
     if s.device_window_tokens:
         held = f"; window side {s.device_window_tokens} tokens"
@@ -143,19 +164,26 @@ def main(args: argparse.Namespace) -> int:
         f"{s.working_set_tokens} tokens ({s.working_set_tokens * s.bytes_per_token / 2**30:.2f} "
         f"GiB); device {s.device_tokens} tokens "
         f"({100 * s.device_tokens / s.working_set_tokens:.0f}%), host {s.host_tokens} "
-        f"({100 * s.host_tokens / s.working_set_tokens:.0f}%), disk {s.storage_bytes >> 20} MiB",
+        f"({100 * s.host_tokens / s.working_set_tokens:.0f}%), {tier} {s.storage_bytes >> 20} MiB",
         flush=True,
     )
     load_before = _load()
-    with metrics_endpoint(args.metrics_port, args.metrics_host) as endpoint:
-        # The endpoint shows each mode's cache while it serves (the last one after).
-        show = (lambda mode, cache: endpoint.show(cache.registry, mode)) if endpoint else None
-        result = run_scale(cfg, on_cache=show)
-    result["command"] = "run"
-    result["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "config")}
-    result["load_average"] = {"before": load_before, "after": _load()}
-    print_report(result)
-    write_json(args.json, result)
+    modes = default_modes(cfg)
+    # Progress on stderr; the endpoint up until the report is out (and --metrics-linger).
+    with observed_run(args, modes, cfg.users * cfg.rounds) as observers:
+        watch = StoreWatch(observers.hooks)  # each mode's store counters, for the summary
+        result = run_scale(cfg, modes, **watch.hooks)
+        result["command"] = "run"
+        result["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "config")}
+        result["load_average"] = {"before": load_before, "after": _load()}
+        print_report(result)
+        if store_off:
+            print(f"storage: {store_off}")
+        for mode, storage in watch.storage.items():
+            for line in problem_lines(storage, mode):
+                print(line)
+        write_json(args.json, result)
+        observers.finish()
     bad = sum(m["verification"]["mismatched_tokens"] for m in result["modes"].values())
     return 1 if bad else 0
 
@@ -168,6 +196,8 @@ def _load() -> list[float] | None:
 
 
 def print_report(res: dict) -> None:
+    from tiered_kv.engine.scale_run import MODES, TIERED
+
     modes = [m for m in MODES if m in res["modes"]]
     r = res["modes"]
     cm = res["cost_model"]

@@ -21,9 +21,8 @@ import sys
 from tiered_kv.cli.args import capacity_list, name_list, non_negative_int, positive_int
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.names import WritePolicy
+from tiered_kv.names import EvictionPolicyName, WritePolicy
 from tiered_kv.sim.bailian import bailian, is_bailian, load_bailian, to_requests
-from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.traces import (
     REPEAT_MODES,
     conversation,
@@ -31,7 +30,8 @@ from tiered_kv.sim.traces import (
     long_doc_qa,
     multi_round_qa,
 )
-from tiered_kv.tree.policies import POLICIES
+
+POLICIES = EvictionPolicyName.values()  # tree.policies.POLICIES, without importing the tree
 
 __all__ = ["add_arguments", "load_trace", "main", "sweep", "validate"]
 
@@ -127,6 +127,13 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 pass
         except OSError as exc:
             parser.error(f"--trace {args.trace}: {exc.strerror or exc}")
+
+
+def sweep(*args, **kwargs):
+    """``tiered_kv.sim.sweep.sweep``, imported when a sweep runs (it imports torch)."""
+    from tiered_kv.sim.sweep import sweep as run_sweep
+
+    return run_sweep(*args, **kwargs)
 
 
 def load_trace(args):

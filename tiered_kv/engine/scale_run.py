@@ -40,7 +40,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.engine.batch_state import SchedulePolicy, SchedulerConfig
 from tiered_kv.engine.cost_model import CostModel
 from tiered_kv.engine.presets import geometry, kv_bytes
-from tiered_kv.engine.scale_serve import mode_report, serve_workload
+from tiered_kv.engine.scale_serve import ProgressHook, mode_report, serve_workload
 from tiered_kv.engine.scale_workload import ScaleConfig, sizes
 from tiered_kv.engine.scheduler import Scheduler
 from tiered_kv.engine.sparse_run import run_hisparse_mode
@@ -53,6 +53,8 @@ MODES = ("tiered", "device_only", "recompute", "tiered_planner", "hisparse")
 TIERED = ("tiered", "tiered_planner", "hisparse")  # the modes with a host and a storage tier
 Hook = Callable[[TieredKVCache, Request], None]
 CacheHook = Callable[[str, TieredKVCache], None]  # (mode, its cache) once the cache is built
+# (mode, its report) once its cache is closed, before the next mode's cache is built.
+DoneHook = Callable[[str, dict], None]
 
 
 def run_mode(
@@ -62,16 +64,20 @@ def run_mode(
     *,
     on_restored: Hook | None = None,
     on_cache: CacheHook | None = None,
+    on_progress: ProgressHook | None = None,
 ) -> dict:
     """Serve the workload one way (``MODES``); its report. ``store_dir``: where the tiered
     mode's store lives (needed for it). ``on_cache`` sees the cache before it serves (the
-    metrics endpoint shows its registry)."""
+    metrics endpoint shows its registry); ``on_progress``, the turns finished as it serves
+    (``serve_workload``)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode={mode!r}; use one of {', '.join(MODES)}")
     if mode in TIERED and store_dir is None:
         raise InvalidArgumentError(f"the {mode} mode needs a store_dir for its store")
     if mode == "hisparse":
-        return run_hisparse_mode(cfg, store_dir, on_restored=on_restored, on_cache=on_cache)
+        return run_hisparse_mode(
+            cfg, store_dir, on_restored=on_restored, on_cache=on_cache, on_progress=on_progress
+        )
     s, p, ps = sizes(cfg), cfg.model_preset, cfg.page_size
     tiered = mode in TIERED
     config = TieredKVConfig.flat(
@@ -103,7 +109,7 @@ def run_mode(
         if planner is not None:
             planner.set_compute_cost(lambda tokens, context: cfg.cost.prefill_s(tokens))
             planner.set_load_source(clock.link_stats)
-        records = serve_workload(cfg, mode, sched, model, clock)
+        records = serve_workload(cfg, mode, sched, model, clock, on_progress)
         cache.drain()
         stats = cache.stats()
         stats["planner"]["estimates"] = planner.estimates() if planner is not None else None
@@ -125,16 +131,24 @@ def run_scale(
     *,
     on_restored: Hook | None = None,
     on_cache: CacheHook | None = None,
+    on_progress: ProgressHook | None = None,
+    on_mode_done: DoneHook | None = None,
 ) -> dict:
     """Every mode in ``modes`` (None: ``default_modes``) on ``cfg``'s workload, and the tiered
-    and hisparse modes' gains as ratios."""
+    and hisparse modes' gains as ratios. The hooks: ``run_mode``'s, and ``on_mode_done`` with
+    each mode's report as it ends (whoever kept its cache from ``on_cache`` lets go of it
+    there: the next mode's pools are about to be allocated)."""
     cost, s = cfg.cost, sizes(cfg)
     modes = default_modes(cfg) if modes is None else modes
     t0 = time.perf_counter()
     results = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="tiered-kv-run-", dir=cfg.store_dir) as d:
-            results[mode] = run_mode(cfg, mode, d, on_restored=on_restored, on_cache=on_cache)
+            results[mode] = run_mode(
+                cfg, mode, d, on_restored=on_restored, on_cache=on_cache, on_progress=on_progress
+            )
+        if on_mode_done is not None:
+            on_mode_done(mode, results[mode])
         # A way's cache sits in reference cycles: without a collection its pools (7.8 GB for
         # Qwen3-Next at scale 4) stay resident while the next way allocates its own.
         gc.collect()

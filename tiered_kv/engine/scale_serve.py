@@ -6,6 +6,7 @@ Shared by the dense modes (:mod:`~tiered_kv.engine.scale_run`) and the HiSparse 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,14 +16,27 @@ from tiered_kv.engine.synthetic_model import ModeledClock
 from tiered_kv.errors import StateError
 
 SALT = 1 << 31  # recompute: first token ids no prompt otherwise holds
+# (mode, turns finished, turns in all): before the first step and after every step.
+ProgressHook = Callable[[str, int, int], None]
 
 
-def serve_workload(cfg: ScaleConfig, mode: str, sched, model, clock: ModeledClock) -> list[dict]:
+def serve_workload(
+    cfg: ScaleConfig,
+    mode: str,
+    sched,
+    model,
+    clock: ModeledClock,
+    on_progress: ProgressHook | None = None,
+) -> list[dict]:
     """Serve ``cfg``'s workload through ``sched`` (a :class:`Scheduler` or a
     :class:`SparseScheduler` with their synthetic models) on the modeled ``clock``; one record
     per finished request (tokens, cached tokens, modeled TTFT and latency, retractions).
-    ``recompute`` salts each prompt's first token, so no page of it matches anything cached."""
+    ``recompute`` salts each prompt's first token, so no page of it matches anything cached.
+    ``on_progress`` is told the turns finished out of ``users * rounds`` before the first
+    scheduler step and after each (it must be cheap: it runs in the serving loop)."""
     work = Workload(cfg)
+    turns = cfg.users * cfg.rounds
+    report = on_progress if on_progress is not None else lambda *_: None
     live: dict[int, tuple[int, EngineRequest, float]] = {}  # rid -> (user, request, arrival)
     salted = 0
 
@@ -39,6 +53,7 @@ def serve_workload(cfg: ScaleConfig, mode: str, sched, model, clock: ModeledCloc
         submit(waiting_users.pop())
     records: list[dict] = []
     limit = 64 * cfg.users * cfg.rounds * (cfg.tokens("answer_tokens") + 8)
+    report(mode, 0, turns)
     while sched.waiting or sched.running:
         if sched.step_count >= limit:
             raise StateError(f"the workload did not finish in {limit} scheduler steps")
@@ -62,6 +77,7 @@ def serve_workload(cfg: ScaleConfig, mode: str, sched, model, clock: ModeledCloc
                 submit(user)
             elif waiting_users:
                 submit(waiting_users.pop())
+        report(mode, len(records), turns)
     return records
 
 

@@ -56,7 +56,9 @@ def hisparse_config(cfg: ScaleConfig, store_dir: str) -> TieredKVConfig:
     )  # fmt: skip
 
 
-def run_hisparse_mode(cfg: ScaleConfig, store_dir: str, *, on_restored=None, on_cache=None):
+def run_hisparse_mode(
+    cfg: ScaleConfig, store_dir: str, *, on_restored=None, on_cache=None, on_progress=None
+):
     """Serve ``cfg``'s workload HiSparse-style; the mode's report (``mode_report``'s keys, plus
     ``hisparse``: the buffer, selection and swap-in counters)."""
     config = hisparse_config(cfg, store_dir)
@@ -73,7 +75,7 @@ def run_hisparse_mode(cfg: ScaleConfig, store_dir: str, *, on_restored=None, on_
             max_prefill_tokens=max(cfg.chunk_tokens, s.longest_tokens),
         ))  # fmt: skip
         clock = ModeledClock(cfg.cost, cfg.links, s.bytes_per_token)
-        records = serve_workload(cfg, MODE, sched, model, clock)
+        records = serve_workload(cfg, MODE, sched, model, clock, on_progress)
         cache.drain()
         stats = cache.stats()
         stats["planner"]["estimates"] = None

@@ -121,7 +121,7 @@ class TransferResult:
     nbytes: int  # bytes that landed
     seconds: float  # time the copy itself ran
     pages_done: int = 0  # storage jobs: pages stored, or leading pages loaded
-    num_pages: int = 0
+    num_pages: int = 0  # the job's pages, any direction (0: refused, or the sim's device jobs)
     error: str | None = None  # the exception a storage call raised, if one did
     segment_pages: tuple[int, ...] = ()  # a segmented prefetch: leading pages done per segment
 

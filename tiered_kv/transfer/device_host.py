@@ -224,7 +224,11 @@ class DeviceHostTransfer(TransferWorker):
         if copy.slot is not None and self._slot_job.get(copy.slot) is copy:
             del self._slot_job[copy.slot]
         del self._by_id[copy.job.job_id]
-        return TransferResult(copy.job.job_id, direction, ok, copy.nbytes if ok else 0, seconds)
+        # Host slots come in whole pages; the slow-job warning names the job's page count as it
+        # does a storage job's (``pages_done`` stays a storage job's count).
+        pages = -(-len(copy.job.host_indices) // self.host_pool.page_size)
+        nbytes = copy.nbytes if ok else 0
+        return TransferResult(copy.job.job_id, direction, ok, nbytes, seconds, num_pages=pages)
 
     def wait(self, job_ids: Iterable[JobId] | None = None, timeout_s: float | None = None) -> bool:
         # Device <-> host copies are short and cannot be abandoned half way: wait for each
