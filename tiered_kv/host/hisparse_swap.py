@@ -268,7 +268,9 @@ class HiSparseSwapper:
         self.num_hits += hits
         self.num_loaded += loaded
         self.num_failed += failed.numel()
-        slots_t = torch.from_numpy(slots).to(self.buffer.device)
+        slots_t = torch.from_numpy(slots)  # int64
+        if self.buffer.device.type != "cpu":
+            slots_t = slots_t.to(self.buffer.device)
         return SwapIn(slots_t, hits, loaded, failed, copied)
 
     def _check_positions(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
