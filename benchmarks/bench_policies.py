@@ -5,11 +5,11 @@ Configuration (the fair one for a device-tier policy): device only, no host and 
 the device's capacity (``tiered_kv.sim.belady``), the most block hits any cache of that many
 blocks can get. Capacities are fractions of the trace's unique blocks.
 
-Traces: the Mooncake JSONL files given with ``--trace`` (default: the shared synthetic trace when
-it exists), and for each ``--seeds`` seed a multi-round QA trace, a long-document QA trace and a
-Mooncake-style conversation trace of 4000 requests (``tiered_kv.sim.traces`` generators, sized
-so that one request fits the smallest capacity: a prefix cache cannot keep a request larger
-than the device). Each seed adds a Qwen/Bailian-style trace of 4000 requests
+Traces: the Mooncake JSONL files given with ``--trace`` (default: the synthetic trace in
+``data/traces/``), and for each ``--seeds`` seed a multi-round QA trace, a long-document QA
+trace and a Mooncake-style conversation trace of 4000 requests (``tiered_kv.sim.traces``
+generators, sized so that one request fits the smallest capacity: a prefix cache cannot keep a
+request larger than the device). Each seed adds a Qwen/Bailian-style trace of 4000 requests
 (``tiered_kv.sim.bailian``, 16-token blocks, prompts capped at 32k tokens: 2,048 blocks, about
 an eighth of 5% of its some 330k unique blocks).
 
@@ -54,7 +54,7 @@ from tiered_kv.sim.traces import (
 )
 from tiered_kv.tree.policies import POLICIES, LRUPolicy
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parents[1] / "data/traces/mooncake_synthetic_trace.jsonl"
 CAPACITIES = (0.05, 0.1, 0.25, 0.5)
 BAR_CAPACITIES = (0.05, 0.1)
 BAR_CLOSED = 0.25  # of the gap between LRU and the bound

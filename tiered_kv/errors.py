@@ -35,6 +35,10 @@ class StateError(TieredKVError):
     """A call came in the wrong order (e.g. free_group_end without free_group_begin)."""
 
 
+class StorageClosedError(StateError):
+    """A call on a page store after its ``close()`` (closing again is fine): open a new store."""
+
+
 class TransferError(TieredKVError):
     """A copy between tiers failed part-way (e.g. the native block copier refused it)."""
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, StorageClosedError, TieredKVError
 from tiered_kv.storage import LMDBStorage, MemoryStorage, StorageNamespace, page_keys, value_format
 from tiered_kv.storage.keys import KEY_BYTES
 from tiered_kv.storage.layered_store import LayeredStorage
@@ -424,3 +424,30 @@ def test_constructor_checks(make_store, ns, host):
             make_store(ns, bad)
     with pytest.raises(InvalidArgumentError):
         make_store(ns, host.page_nbytes, budget_bytes=host.page_nbytes)
+
+
+def test_a_closed_store_refuses_every_call_and_changes_nothing(
+    make_store, ns, host, keys, tmp_path
+):
+    store = make_store(ns, host.page_nbytes, path=tmp_path / "closed")
+    assert store.batch_set(keys[:3], host, [0, 1, 2]) == [True] * 3
+    store.close()
+    store.close()  # closing twice is fine
+    assert store.closed
+    targets = [page(host, 8), page(host, 9)]
+    calls = {
+        "batch_exists": lambda: store.batch_exists(keys),
+        "batch_get": lambda: store.batch_get(keys[:2], host, [8, 9]),
+        "batch_set": lambda: store.batch_set(keys[3:5], host, [3, 4]),
+        "delete": lambda: store.delete(keys[:1]),
+        "clear": store.clear,
+        "stats": store.stats,
+    }
+    for name, call in calls.items():
+        with pytest.raises(StorageClosedError, match=rf"{type(store).__name__}\.{name}: .*closed"):
+            call()
+    assert issubclass(StorageClosedError, TieredKVError)
+    assert torch.equal(page(host, 8), targets[0]) and torch.equal(page(host, 9), targets[1])
+    if make_store.kind != "memory":  # the others keep their pages: nothing above reached them
+        again = make_store(ns, host.page_nbytes, path=tmp_path / "closed")
+        assert again.batch_exists(keys) == 3

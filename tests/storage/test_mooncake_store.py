@@ -219,8 +219,8 @@ def test_a_killed_lender_gives_counted_misses_and_the_store_recovers(host, ns, k
         assert store.batch_set(keys[6:7], host, [6]) == [False]
         assert store.delete(keys[:1]) == 0
         store.clear()
-        store.close()
         s = store.stats()
+        store.close()  # after the stats: a closed store refuses every call but close
         assert sum(s.errors.values()) >= errors + 6, s.errors
         for call in ("batch_exists", "batch_get", "batch_set", "delete", "clear"):
             assert s.errors.get(f"{call}: ClientClosedError", 0) >= 1, s.errors

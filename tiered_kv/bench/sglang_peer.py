@@ -1,7 +1,7 @@
 """SGLang's own code as the peer a side-by-side benchmark measures against.
 
-``find_sglang`` imports SGLang's allocator module if this process can (the recipe in
-``../shared/peer/`` installs SGLang 0.5.23's KV-memory code on a CPU-only machine) and says why
+``find_sglang`` imports SGLang's allocator module if this process can (``make sglang-venv``
+installs SGLang 0.5.23's KV-memory code on a CPU-only machine in ``.venv-sglang``) and says why
 not otherwise; nothing here imports SGLang at module level, so ``import tiered_kv`` never needs
 it. Each peer part a benchmark uses (the allocators, the file storage backend) is one field of
 ``SGLangPeer`` and one adapter here, so the measuring modules never touch SGLang's modules.
@@ -26,8 +26,8 @@ import torch
 SGLANG_ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
 SGLANG_STORAGE_MODULE = "sglang.srt.mem_cache.hicache_storage"
 INSTALL_HINT = (
-    "install it with ../shared/peer/setup.sh and run with "
-    "PYTHONPATH=/tmp/peer/stubs:<this checkout> /tmp/peer/venv/bin/python"
+    "install it with `make sglang-venv` and run with "
+    "PYTHONPATH=tools/sglang_peer/stubs .venv-sglang/bin/python"
 )
 
 

@@ -77,6 +77,7 @@ class DSATokenToKVPool(MLATokenToKVPool):
                 "quantization block"
             )
         self.index_row_bytes = index_head_dim + 4 * (index_head_dim // QUANT_BLOCK)
+        self._check_fits(self.index_row_bytes, "indexer keys")
         self.index_k_with_scale_buffer = [
             empty_zeroed((self.num_slots, self.index_row_bytes), torch.uint8, self.device)
             for _ in range(layer_num)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import abc
 
+import psutil
 import torch
 
 from tiered_kv import platform
 from tiered_kv._checks import check_index_tensor, check_positive_int, check_range
 from tiered_kv.device.pool_decl import HostPart, HostPoolDecl
 from tiered_kv.device.write_loc import KVWriteLoc, as_write_loc, write_loc_is_physical
-from tiered_kv.errors import InvalidArgumentError, PhysicalWriteLocError
+from tiered_kv.errors import HostMemoryError, InvalidArgumentError, PhysicalWriteLocError
 
 FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
     getattr(torch, name)
@@ -29,9 +30,29 @@ FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
 KV_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 
 
+def input_dtypes_for(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The KV dtypes a pool of ``dtype`` accepts in a write: its own, and float32 (a model's
+    compute dtype) narrowed into it; an fp8 pool also takes float16 / bfloat16 (quantized with
+    the write's scale). Anything else (float64, the other half type) is a caller's bug."""
+    wider = (
+        (torch.float32, torch.float16, torch.bfloat16) if dtype in FP8_DTYPES else (torch.float32,)
+    )
+    return (dtype, *(d for d in wider if d != dtype))
+
+
 def store_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """uint8 for fp8 dtypes (no index_put for them), the dtype itself otherwise."""
     return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes a new tensor on ``device`` can take: free GPU memory plus what torch's caching
+    allocator holds unused; on CPU the RAM the OS calls available (swap excluded: the pools are
+    zero-filled, so every page is touched at once)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return psutil.virtual_memory().available
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -79,6 +100,7 @@ class KVCache(abc.ABC):
             raise InvalidArgumentError(f"dtype {dtype} is not a KV dtype; use one of {names}")
         self.dtype = dtype
         self.store_dtype = store_dtype_for(dtype)
+        self.input_dtypes = input_dtypes_for(dtype)
         self.device = platform.resolve_device(device)
         self.start_layer = (
             0 if start_layer is None else check_positive_int("start_layer", start_layer, minimum=0)
@@ -130,6 +152,21 @@ class KVCache(abc.ABC):
             )
         return layer_id - self.start_layer
 
+    def _check_fits(self, bytes_per_token_per_layer: int, what: str = "KV") -> None:
+        """Refuse, before allocating anything, buffers of ``bytes_per_token_per_layer`` per slot
+        and layer that the device has no room for: a raw allocator error (or the OOM killer,
+        since CPU buffers are zero-filled) names neither the setting nor the size."""
+        nbytes = self.num_slots * self.layer_num * bytes_per_token_per_layer
+        free = free_bytes(self.device)
+        if nbytes > free:
+            gib = 1 << 30
+            raise HostMemoryError(
+                f"{type(self).__name__} with size={self.size} tokens (+{self.page_size} padding) "
+                f"x {self.layer_num} layers x {bytes_per_token_per_layer} bytes per token needs "
+                f"{nbytes / gib:.2f} GiB of {what} but {self.device} has {free / gib:.2f} GiB "
+                "free; lower size (or layer_num, the head count or the dtype)"
+            )
+
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.dtype) if self.store_dtype != self.dtype else t
 
@@ -176,8 +213,8 @@ class KVCache(abc.ABC):
         shape: tuple[int, ...],
         scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
-        """Check ``x`` against ``shape`` (a flat last dim is reshaped), cast to ``dtype`` (dividing
-        by ``scale`` first when given), and view it as ``store_dtype``."""
+        """Check ``x`` against ``shape`` (a flat last dim is reshaped) and ``input_dtypes``, cast
+        to ``dtype`` (dividing by ``scale`` first when given), and view it as ``store_dtype``."""
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape) != shape:
@@ -189,8 +226,12 @@ class KVCache(abc.ABC):
                 raise InvalidArgumentError(
                     f"{name} has shape {tuple(x.shape)}; expected {shape} for this pool"
                 )
-        if not x.is_floating_point():
-            raise InvalidArgumentError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+        if x.dtype not in self.input_dtypes:
+            allowed = ", ".join(str(d) for d in self.input_dtypes)
+            raise InvalidArgumentError(
+                f"{name} has dtype {x.dtype}; a pool of {self.dtype} takes {allowed} "
+                f"(cast it first, e.g. {name}.to({self.dtype}))"
+            )
         if x.dtype != self.dtype:
             if scale is not None:
                 x = x / scale

@@ -41,6 +41,7 @@ class MHATokenToKVPool(KVCache):
     def _create_buffers(self) -> None:
         # One tensor per layer, so each layer has its own address for layer-wise transfers and
         # per-layer waits. Zero-filled: the padding slot must hold finite values.
+        self._check_fits(self.bytes_per_token_per_layer())
         rows = self.num_slots
         self.k_buffer = [
             empty_zeroed((rows, self.head_num, self.head_dim), self.store_dtype, self.device)
@@ -111,6 +112,7 @@ class MHATokenToKOnlyPool(KVCache):
         super().__init__(size, page_size, dtype, layer_num, device, start_layer, end_layer)
         self.head_num = check_positive_int("head_num", head_num)
         self.head_dim = check_positive_int("head_dim", head_dim)
+        self._check_fits(self.bytes_per_token_per_layer())
         self.k_buffer = [
             empty_zeroed((self.num_slots, head_num, head_dim), self.store_dtype, self.device)
             for _ in range(layer_num)

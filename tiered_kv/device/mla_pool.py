@@ -37,6 +37,7 @@ class MLATokenToKVPool(KVCache):
         self.kv_lora_rank = check_positive_int("kv_lora_rank", kv_lora_rank)
         self.qk_rope_head_dim = check_positive_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        self._check_fits(self.bytes_per_token_per_layer())
         self.kv_buffer = [
             empty_zeroed((self.num_slots, 1, self.kv_cache_dim), self.store_dtype, self.device)
             for _ in range(layer_num)

@@ -2,7 +2,8 @@
 
 A store keeps whole host pages under :mod:`keys` keys. Every method is batched; nothing raises
 into the caller for disk or memory trouble (those become per-key failures and counted events);
-bad arguments raise :class:`~tiered_kv.errors.InvalidArgumentError` before anything changes.
+bad arguments raise :class:`~tiered_kv.errors.InvalidArgumentError` before anything changes,
+and a call after ``close()`` raises :class:`~tiered_kv.errors.StorageClosedError`.
 Each counted error is logged at WARNING, once per kind a minute in this process
 (``ERROR_LOG``): a dead store fails every call, and its log must not grow with them.
 """
@@ -18,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, StorageClosedError
 from tiered_kv.log_limit import LogLimiter
 from tiered_kv.storage.keys import KEY_BYTES, StorageNamespace
 
@@ -106,6 +107,8 @@ class StorageStats:
 class PageStorage(abc.ABC):
     """A page store bound to one namespace and page size."""
 
+    _closed = False  # set by a store's close(); its calls then raise StorageClosedError
+
     def __init__(self, namespace: StorageNamespace, page_nbytes: int) -> None:
         if not isinstance(namespace, StorageNamespace):
             raise InvalidArgumentError("namespace must be a StorageNamespace")
@@ -120,6 +123,23 @@ class PageStorage(abc.ABC):
         self.namespace = namespace
         self.page_nbytes = page_nbytes
         self._stats = StorageStats()  # implementations replace it with their own counters
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
+
+    def _check_open(self, call: str) -> None:
+        """Refuse a call on a closed store before it touches anything: its files, connection
+        or registered memory are released, and reopening them silently would leak them."""
+        if self._closed:
+            path = getattr(self, "path", None)  # the local stores' directory
+            where = f" at {path}" if path is not None else ""
+            raise StorageClosedError(
+                f"{type(self).__name__}.{call}: the store{where} (namespace "
+                f"{self.namespace.fingerprint.hex()[:12]}) was closed; open a new store to use it "
+                "(close() may be called again)"
+            )
 
     # -- argument checks shared by implementations --------------------------------------------
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -205,5 +225,6 @@ class PageStorage(abc.ABC):
         return sum(self._stats.errors.values())
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
-        """Release resources; the default has none."""
-        return None
+        """Release resources (the default has none). Safe twice; any other call after it raises
+        StorageClosedError."""
+        self._closed = True

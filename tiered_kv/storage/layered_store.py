@@ -39,6 +39,7 @@ class LayeredStorage(PageStorage):
         self._lock = threading.Lock()
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open("batch_exists")
         keys = self._check_keys(keys)
         n = 0
         while n < len(keys):
@@ -53,6 +54,7 @@ class LayeredStorage(PageStorage):
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_get")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         out = self.local.batch_get(keys, source, pages) if keys else []
@@ -75,6 +77,7 @@ class LayeredStorage(PageStorage):
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_set")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         if not keys:
@@ -88,14 +91,17 @@ class LayeredStorage(PageStorage):
         return out
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open("delete")
         keys = self._check_keys(keys)
         return max(self.local.delete(keys), self.remote.delete(keys))
 
     def clear(self) -> None:
+        self._check_open("clear")
         self.local.clear()
         self.remote.clear()
 
     def stats(self) -> StorageStats:
+        self._check_open("stats")
         local, remote = self.local.stats(), self.remote.stats()
         with self._lock:
             own = self._own.snapshot()
@@ -110,12 +116,16 @@ class LayeredStorage(PageStorage):
         return own
 
     def flush(self) -> None:
+        self._check_open("flush")
         for store in (self.local, self.remote):
             flush = getattr(store, "flush", None)
             if flush is not None:
                 flush()
 
     def close(self) -> None:
+        """Close both stores. Safe twice; any other call after it raises StorageClosedError
+        here, before it can reach either store."""
+        self._closed = True
         try:
             self.local.close()
         finally:

@@ -214,11 +214,13 @@ def disk_trouble(exc: BaseException) -> bool:
 def absorbs_lmdb_errors(miss):
     """For store methods: an LMDB error escaping the call (a corrupted map, a page not found, a
     map full at the budget) is counted in the store's stats and the call returns
-    ``miss(store, *args)``, so the serving path sees a miss, never the exception."""
+    ``miss(store, *args)``, so the serving path sees a miss, never the exception. A call on a
+    closed store raises StorageClosedError first (a caller's bug, not disk trouble)."""
 
     def wrap(method):
         @functools.wraps(method)
         def call(store, *args, **kwargs):
+            store._check_open(method.__name__)
             try:
                 return method(store, *args, **kwargs)
             except lmdb.Error as exc:

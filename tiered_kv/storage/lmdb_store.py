@@ -383,7 +383,8 @@ class LMDBStorage(BookedStorage):
 
     def close(self) -> None:
         """Flush recency, sync, and release this process's environment when its last store on
-        the directory closes. Safe to call twice."""
+        the directory closes. Safe to call twice; any other call after it raises
+        StorageClosedError."""
         with self._lock:
             if self._env is None:
                 return
@@ -393,3 +394,4 @@ class LMDBStorage(BookedStorage):
                 finally:
                     lmdb_env.release(self._shared)
             self._env = None  # type: ignore[assignment]
+            self._closed = True

@@ -33,6 +33,7 @@ class MemoryStorage(PageStorage):
         return self.page_nbytes + value_format.HEADER_BYTES
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open("batch_exists")
         keys = self._check_keys(keys)
         with self._lock:
             n = 0
@@ -45,6 +46,7 @@ class MemoryStorage(PageStorage):
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_get")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         out = []
@@ -74,6 +76,7 @@ class MemoryStorage(PageStorage):
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_set")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         out = []
@@ -99,15 +102,18 @@ class MemoryStorage(PageStorage):
         return out
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open("delete")
         keys = self._check_keys(keys)
         with self._lock:
             return sum(self._pages.pop(k, None) is not None for k in keys)
 
     def clear(self) -> None:
+        self._check_open("clear")
         with self._lock:
             self._pages.clear()
 
     def stats(self) -> StorageStats:
+        self._check_open("stats")
         with self._lock:
             self._stats.pages = len(self._pages)
             self._stats.bytes = len(self._pages) * self._record_bytes()

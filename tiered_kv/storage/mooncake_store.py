@@ -175,6 +175,7 @@ class MooncakeStorage(PageStorage):
 
     # -- the contract -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open("batch_exists")
         keys = self._check_keys(keys)
         n = 0
         for code in self._exist_codes([_name(k) for k in keys], "batch_exists") if keys else []:
@@ -195,6 +196,7 @@ class MooncakeStorage(PageStorage):
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_get")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         if not keys:
@@ -259,6 +261,7 @@ class MooncakeStorage(PageStorage):
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_set")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         if not keys:
@@ -313,6 +316,7 @@ class MooncakeStorage(PageStorage):
         return [code == 0 for code in codes]
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open("delete")
         keys = list(dict.fromkeys(self._check_keys(keys)))
         if not keys:
             return 0
@@ -329,6 +333,7 @@ class MooncakeStorage(PageStorage):
 
     def clear(self) -> None:
         """Remove this namespace's pages (other namespaces in the store keep theirs)."""
+        self._check_open("clear")
         prefix = "^" + re.escape(_name(self.namespace.fingerprint))
         rc = self._call("clear", "remove_by_regex", prefix, True)
         if rc is None:
@@ -340,6 +345,7 @@ class MooncakeStorage(PageStorage):
             self._known.clear()
 
     def stats(self) -> StorageStats:
+        self._check_open("stats")
         with self._lock:
             self._stats.pages = len(self._known)
             self._stats.bytes = len(self._known) * self._record
@@ -347,7 +353,11 @@ class MooncakeStorage(PageStorage):
 
     def close(self) -> None:
         """Take back the memory this store lent (its pages there go); the client stays open
-        for the process's other stores."""
+        for the process's other stores. Safe twice; any other call after it raises
+        StorageClosedError (the arenas' memory is unregistered)."""
+        if self._closed:
+            return
+        self._closed = True
         segments, self._segments = self._segments, []
         try:
             self._client.unmount(segments)

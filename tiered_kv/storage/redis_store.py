@@ -105,6 +105,7 @@ class RedisStorage(PageStorage):
 
     # -- the contract -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open("batch_exists")
         keys = self._check_keys(keys)
         n = 0
         for p in self._present(keys, "batch_exists") if keys else []:
@@ -116,6 +117,7 @@ class RedisStorage(PageStorage):
     def batch_get(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_get")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         if not keys:
@@ -177,6 +179,7 @@ class RedisStorage(PageStorage):
     def batch_set(
         self, keys: Sequence[bytes], source: PageSource, pages: Sequence[int]
     ) -> list[bool]:
+        self._check_open("batch_set")
         keys = self._check_keys(keys)
         pages = self._check_pages(keys, source, pages)
         if not keys:
@@ -224,6 +227,7 @@ class RedisStorage(PageStorage):
             return [0] * len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open("delete")
         keys = self._check_keys(keys)
         if not keys:
             return 0
@@ -241,6 +245,7 @@ class RedisStorage(PageStorage):
 
     def clear(self) -> None:
         """Delete this namespace's pages (other namespaces on the server keep theirs)."""
+        self._check_open("clear")
         try:
             while True:
                 names = self._client.zrange(self._index, 0, 511)
@@ -254,6 +259,7 @@ class RedisStorage(PageStorage):
             self._failed("clear", exc)
 
     def stats(self) -> StorageStats:
+        self._check_open("stats")
         try:
             pages = int(self._client.zcard(self._index))
         except redis.RedisError as exc:
@@ -265,4 +271,7 @@ class RedisStorage(PageStorage):
             return self._stats.snapshot()
 
     def close(self) -> None:
+        """Disconnect. Safe twice; any other call after it raises StorageClosedError (redis-py
+        would silently connect again)."""
         self._client.close()
+        self._closed = True

@@ -310,11 +310,13 @@ class SlabStorage(BookedStorage):
 
     def disk_bytes(self) -> int:
         """Disk blocks the store's files hold (what ``du`` counts for the directory)."""
+        self._check_open("disk_bytes")
         return self._files.disk_bytes()
 
     def close(self) -> None:
         """Flush recency, sync, close the slab files and release the environment (the last
-        store of the directory in this process closes it). Safe to call twice."""
+        store of the directory in this process closes it). Safe to call twice; any other call after
+        it raises StorageClosedError."""
         with self._lock:
             if self._files is None:
                 return
@@ -326,3 +328,4 @@ class SlabStorage(BookedStorage):
             else:  # a forked child that never used the store: its copies of the descriptors
                 self._files.close_files()
             self._files = None
+            self._closed = True

@@ -34,7 +34,12 @@ from tiered_kv._checks import check_positive_int
 from tiered_kv.device.allocator import debug
 from tiered_kv.device.allocator.capacity import CapacityHooks
 from tiered_kv.device.allocator.free_list import PageStack, SlotQueue
-from tiered_kv.device.allocator.inputs import check_free_pages, check_free_slots, check_index
+from tiered_kv.device.allocator.inputs import (
+    check_free_pages,
+    check_free_slots,
+    check_index,
+    check_kv_pool,
+)
 from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.device.sizing import AllocSizingConfig, resolve_sizing
 from tiered_kv.errors import InvalidArgumentError, OwnershipError, StateError
@@ -84,6 +89,7 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
         if self.device.type == "cuda":
             index = self.device.index
             self.device_index = torch.cuda.current_device() if index is None else index
+        check_kv_pool("kvcache", kvcache)
         if kvcache is not None and (kvcache.size != size or kvcache.page_size != page_size):
             raise InvalidArgumentError(
                 f"kvcache has size={kvcache.size}, page_size={kvcache.page_size}; the allocator "

@@ -34,6 +34,19 @@ class AllocatorView(Protocol):
     def get_all_free_pages(self) -> torch.Tensor: ...
 
 
+def check_kv_pool(name: str, pool: object) -> None:
+    """``pool`` is a device KV pool (None allowed): it has the ``size`` / ``page_size`` the
+    allocator compares and the ``host_pool_decls`` the host tier reads. A duck check, since the
+    composite pools (sliding-window, hybrid-linear) are not ``KVCache`` subclasses."""
+    if pool is None:
+        return
+    if not all(hasattr(pool, a) for a in ("size", "page_size", "host_pool_decls")):
+        raise InvalidArgumentError(
+            f"{name}={pool!r:.60} ({type(pool).__name__}) is not a device KV pool; pass the pool "
+            "the allocator hands out slots of (e.g. an MHATokenToKVPool), or None"
+        )
+
+
 _CPU = torch.device("cpu")
 _IDX = tuple(sorted(INDEX_DTYPES, key=lambda d: d != torch.int64))  # int64 first: the common one
 _Tensor = torch.Tensor

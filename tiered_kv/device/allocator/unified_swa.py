@@ -82,11 +82,16 @@ class UnifiedSWAAllocatorBase(CapacityHooks):
         self.skip_freed_window = skip_freed_window
         self.num_pages = check_positive_int("num_pages", num_pages)
         self.page_size = check_positive_int("page_size", page_size)
+        if kvcache is not None and not isinstance(kvcache, UnifiedSWAKVPool):
+            raise InvalidArgumentError(
+                f"kvcache={kvcache!r:.60} ({type(kvcache).__name__}) is not a UnifiedSWAKVPool; "
+                "pass the pool the allocator hands out pages of, or None"
+            )
         if kvcache is not None and (
-            getattr(kvcache, "num_pages", None) != num_pages or kvcache.page_size != page_size
+            kvcache.num_pages != num_pages or kvcache.page_size != page_size
         ):
             raise InvalidArgumentError(
-                f"kvcache has num_pages={getattr(kvcache, 'num_pages', None)}, page_size="
+                f"kvcache has num_pages={kvcache.num_pages}, page_size="
                 f"{kvcache.page_size}; the allocator has num_pages={num_pages}, page_size="
                 f"{page_size}; build both from one UnifiedSWAKVPool geometry"
             )
