@@ -6,17 +6,21 @@ wrong rows are both found (the negative controls); bad configurations refused by
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from tests.engine.test_scale_run import TINY
-from tiered_kv.cache.hisparse_serving import HiSparseServing
 from tiered_kv.engine import presets as P
+from tiered_kv.engine import sparse_run, synthetic_sparse
 from tiered_kv.engine.kv_bytes import HiSparseBytes
 from tiered_kv.engine.scale_run import default_modes, run_mode, run_scale
 from tiered_kv.engine.scale_workload import ScaleConfig
+from tiered_kv.engine.synthetic_sparse import SyntheticSparseDSA
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.host.hisparse_swap import SwapIn
+from tiered_kv.host.hisparse_swap import HiSparseSwapper, SwapIn
+from tiered_kv.kernels import native_available
 
 SMALL_DSA = P.scaled(P.preset("deepseek-v3.2"), layers=3, kv_lora_rank=32, qk_rope_head_dim=16)
 TOPK = 64
@@ -73,13 +77,13 @@ def test_a_corrupted_staging_byte_is_found(tmp_path):
 
 
 def test_a_swap_in_answering_other_rows_is_found(tmp_path, monkeypatch):
-    real = HiSparseServing.swap_in
+    real = HiSparseSwapper.swap_in  # the model checks the request once, then calls its swapper
 
-    def shifted(self, req, layer_id, positions):
-        got = real(self, req, layer_id, positions)
+    def shifted(self, layer_id, positions):
+        got = real(self, layer_id, positions)
         return SwapIn(got.device_slots.roll(1), got.hits, got.loaded, got.failed)
 
-    monkeypatch.setattr(HiSparseServing, "swap_in", shifted)
+    monkeypatch.setattr(HiSparseSwapper, "swap_in", shifted)
     r = run_mode(_cfg(tmp_path, users=2, rounds=1), "hisparse", str(tmp_path))
     assert r["verification"]["mismatched_tokens"] > 0
 
@@ -137,3 +141,45 @@ def test_run_cli_serves_deepseek_v32_with_hisparse(tmp_path, capsys):
     assert h["generated_tokens"] == res["modes"]["tiered"]["generated_tokens"]
     assert "hisparse: buffer 48 latents + a page" in out
     assert "device MiB per request (hisparse)" in out and "hisparse vs tiered:" in out
+
+
+def _in_mode(monkeypatch, mode: str) -> None:
+    """Run the hisparse mode with ``copy_mode=mode``, its checks in chunks of 7 rows (most
+    checks span several, the last one partial)."""
+    if mode == "blocks" and not native_available():
+        pytest.skip("the native copier does not build here")
+    monkeypatch.setattr(synthetic_sparse, "CHECK_CHUNK", 7)
+    model = partial(SyntheticSparseDSA, copy_mode=mode)
+    monkeypatch.setattr(sparse_run, "SyntheticSparseDSA", model)
+
+
+def test_every_copy_mode_checks_the_same_rows(tmp_path, monkeypatch):
+    cfg, got = _cfg(tmp_path, users=2, rounds=1), {}
+    for mode in ("numpy", "torch", "blocks"):
+        _in_mode(monkeypatch, mode)
+        r = run_mode(cfg, "hisparse", str(tmp_path / mode))
+        assert r["verification"]["mismatched_tokens"] == 0
+        got[mode] = (r["verification"], r["hisparse"], r["generated_tokens"])
+    assert got["numpy"][1]["checked_rows"] > 0
+    assert got["numpy"] == got["torch"] == got["blocks"]
+
+
+@pytest.mark.parametrize("mode", ["blocks", "numpy", "torch"])
+def test_a_corrupted_row_copied_in_is_found_in_every_copy_mode(tmp_path, monkeypatch, mode):
+    """One byte flipped in a row each of three swap-ins copied in from host: every such row
+    is checked in the same step, so each is counted."""
+    _in_mode(monkeypatch, mode)
+    real, flipped = HiSparseSwapper.swap_in, []
+
+    def corrupting(self, layer_id, positions):
+        got = real(self, layer_id, positions)
+        if len(flipped) < 3 and got.copied.size:
+            slot = int(got.device_slots[got.copied[-1]])
+            row = self.pool.kv_buffer[self.pool.layer_index(layer_id)][slot]
+            row.view(torch.uint8).view(-1)[3] ^= 0x40
+            flipped.append(slot)
+        return got
+
+    monkeypatch.setattr(HiSparseSwapper, "swap_in", corrupting)
+    r = run_mode(_cfg(tmp_path, users=2, rounds=1), "hisparse", str(tmp_path))
+    assert len(flipped) == 3 and r["verification"]["mismatched_tokens"] >= 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from tiered_kv.device.hisparse_index import HiSparseIndexKeys
 from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.host.hisparse_swap import HiSparseSwapper
 from tiered_kv.host.pool_group import HostPoolGroup
-from tiered_kv.kernels import native_available
+from tiered_kv.kernels import native_available, native_build
 from tiered_kv.names import HostLayout
 from tiered_kv.storage import MemoryStorage, StorageNamespace, page_keys
 from tiered_kv.transfer import HostStorageTransfer, TransferJob
@@ -31,6 +32,10 @@ from tiered_kv.transfer import HostStorageTransfer, TransferJob
 LAYERS, RANK, ROPE = 3, 13, 6
 NATIVE = pytest.mark.skipif(not native_available(), reason="native copier not built")
 COPY_MODES = [pytest.param("blocks", marks=NATIVE), "numpy", "kernel"]
+PLAN_NATIVE = pytest.mark.skipif(
+    native_build.load_swap_plan() is None, reason="native swap-in bookkeeping not built"
+)
+PLAN_MODES = [pytest.param("native", marks=PLAN_NATIVE), "numpy"]
 
 
 def _t(values) -> torch.Tensor:
@@ -47,8 +52,9 @@ class Rig:
         gen: torch.Generator,
         layout: str = "layer_first",
         copy_mode: str = "auto",
+        plan_mode: str = "auto",
     ) -> None:
-        self.page, self.gen, self.copy_mode = page, gen, copy_mode
+        self.page, self.gen, self.copy_mode, self.plan_mode = page, gen, copy_mode, plan_mode
         size = device_pages * page
         self.pool = DSATokenToKVPool(size, page, torch.bfloat16, RANK, ROPE, LAYERS)
         self.alloc = HiSparseTokenToKVPoolAllocator(
@@ -80,7 +86,7 @@ class Rig:
         host = self.host.alloc(-(-host_tokens // self.page) * self.page)
         sw = HiSparseSwapper.admit(
             self.alloc, self.pool, self.host, self.keys, logical, host[:n], buffer_size,
-            copy_mode=self.copy_mode,
+            copy_mode=self.copy_mode, plan_mode=self.plan_mode,
         )  # fmt: skip
         return sw, host
 
@@ -285,12 +291,13 @@ class LRUModel:
         return hits, len(miss) if ok else 0, 0 if ok else len(miss)
 
 
+@pytest.mark.parametrize("plan_mode", PLAN_MODES)
 @pytest.mark.parametrize("copy_mode", COPY_MODES)
 @pytest.mark.parametrize("page", [1, 4])
-def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode, page):
+def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode, page, plan_mode):
     rng = random.Random(100 * page + len(copy_mode))
     buffer_size = 16 if page == 4 else 13
-    rig = Rig(page, device_pages=200 // page + 6, gen=gen, copy_mode=copy_mode)
+    rig = Rig(page, device_pages=200 // page + 6, gen=gen, copy_mode=copy_mode, plan_mode=plan_mode)
     sw, host = rig.prefill(21, buffer_size=buffer_size, host_tokens=180)
     model = LRUModel(LAYERS, buffer_size, min(buffer_size, 21))
     real = sw._rows.load
@@ -328,6 +335,7 @@ def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode
                 layer, sel, newest, not fail[0]
             )
             assert sw.resident(layer).tolist() == model.held[layer]
+            _map_matches_residency(sw)
             ok = ~torch.isin(_t(sel), got.failed)
             if ok.any():
                 want = torch.stack([rig.latent[layer][p] for p in _t(sel)[ok].tolist()])
@@ -336,12 +344,39 @@ def test_residency_follows_the_lru_model_with_faults(gen, monkeypatch, copy_mode
         if newest is not None:
             sw.commit_token()
     assert sw.num_failed and sw.num_loaded and sw.num_hits
-    assert sw.num_tokens > 2 * 21 and bool((sw._where == -1).all())  # scratch grew, all -1
+    assert sw.num_tokens > 2 * 21 and sw._slot_of.shape[1] >= sw.num_tokens  # the map grew
+    _map_matches_residency(sw)
+
+
+@pytest.mark.parametrize("plan_mode", PLAN_MODES)
+def test_strided_and_int32_selections_read_as_their_values(gen, plan_mode):
+    rig = Rig(4, device_pages=20, gen=gen, plan_mode=plan_mode)
+    sw, _ = rig.prefill(30, buffer_size=8, host_tokens=40)
+    wide = torch.tensor([[3, 99], [17, 99], [29, 99], [8, 99]])  # column 0: a strided view
+    for sel in (wide[:, 0], wide[:, 0].to(torch.int32), _t([29, 8, 3, 17])[1::1]):
+        got = sw.swap_in(1, sel)
+        want = torch.stack([rig.latent[1][p] for p in sel.tolist()])
+        assert torch.equal(rig.latent_bytes(1, got.device_slots), want)
+    assert sw.num_loaded == 3 and sw.num_hits == 8  # 3 was kept from the prefill
+
+
+def _map_matches_residency(sw: HiSparseSwapper) -> None:
+    """The swapper's position -> buffer index map says exactly what ``token_in`` holds (and
+    the newest token, while pending, is at the reserved index in every layer)."""
+    for layer in range(sw.pool.layer_num):
+        held = sw.token_in[layer].tolist()
+        want = {p: j for j, p in enumerate(held) if p >= 0}
+        if sw.newest is not None:
+            want[sw.newest] = sw.buffer_size
+        row = sw._slot_of[layer]
+        got = {int(p): int(row[p]) for p in np.flatnonzero(row >= 0)}
+        assert got == want, layer
 
 
 def _state(rig: Rig, sw: HiSparseSwapper):
     return (
         sw.token_in.clone(), sw.last_used.clone(), rig.alloc.logical_to_device.clone(),
+        torch.from_numpy(sw._slot_of.copy()),
         [b.view(torch.uint8).clone() for b in rig.pool.buffers()],
         (sw.num_hits, sw.num_loaded, sw.num_failed, sw.clock, sw.newest, sw.num_tokens),
         rig.alloc.device_available_size(),
@@ -361,8 +396,9 @@ def _same(a, b) -> bool:
     return True
 
 
-def test_bad_input_raises_and_changes_nothing(gen):
-    rig = Rig(4, device_pages=20, gen=gen)
+@pytest.mark.parametrize("plan_mode", PLAN_MODES)
+def test_bad_input_raises_and_changes_nothing(gen, plan_mode):
+    rig = Rig(4, device_pages=20, gen=gen, plan_mode=plan_mode)
     sw, host = rig.prefill(30, buffer_size=8, host_tokens=40)
     sw.swap_in(0, _t([1, 25, 29]))
     before = _state(rig, sw)
@@ -370,6 +406,10 @@ def test_bad_input_raises_and_changes_nothing(gen):
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([30]))),  # past the last token
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([-1]))),
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([3, 3]))),  # repeated
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([1, 25, 29, 25]))),  # a hit twice
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([29, 3, 7, 1, 3]))),  # a miss twice
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([1, 3, 25, 2, 7, 29, 30]))),  # range
+        (InvalidArgumentError, lambda: sw.swap_in(0, _t([*range(9), 31]))),  # > buffer, range
         (InvalidArgumentError, lambda: sw.swap_in(0, _t(list(range(9))))),  # > buffer
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([2] * 10))),  # repeated, > buffer
         (InvalidArgumentError, lambda: sw.swap_in(0, _t([4, 5, 4]).to(torch.int32))),
@@ -385,7 +425,7 @@ def test_bad_input_raises_and_changes_nothing(gen):
         with pytest.raises(err):
             call()
         assert _same(before, _state(rig, sw))
-        assert bool((sw._where == -1).all())  # the position scratch is clean again
+        _map_matches_residency(sw)  # the position -> slot map as it was
     sw.release()
     with pytest.raises(StateError, match="released"):
         sw.swap_in(0, _t([1]))

@@ -47,6 +47,11 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def _parse(digests: list[bytes]) -> np.ndarray:
+    """Prefix digests as (n, 4) little-endian words."""
+    return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, DIGEST_BYTES // 8)
+
+
 def rows_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Per row of two (n, bytes) uint8 tensors, whether they differ anywhere: compared as 8-,
     4- or 2-byte words where the row length allows (the same answer, several times faster)."""
@@ -118,24 +123,55 @@ class SyntheticKV:
         self._table = np.random.Generator(np.random.PCG64(seed)).integers(
             0, 2**64, size=table_words, dtype=np.uint64, endpoint=False
         )
+        self._masked: dict[int, np.ndarray] = {}  # the table masked per element width
+        self._window_views: dict[tuple[int, int], np.ndarray] = {}
 
     # -- the generator ------------------------------------------------------------------------
     def _rows(self, digests: list[bytes], positions, salt, nbytes: int, item: int):
         """(n, nbytes) uint8: the rows of ``digests`` (one per token) at ``positions``;
         ``salt`` one stream (an int) or one per row (an int array)."""
+        keys = self._keys(_parse(digests), positions, salt, nbytes, item)
+        return self._gather(keys, nbytes, item)
+
+    def _keys(self, d: np.ndarray, positions, salt, nbytes: int, item: int):
+        """Each row's table offset and word (``_rows`` before its gather); ``salt`` an int, an
+        int array by row, or a column ``(m, 1)`` of streams: then (m, n) of each, one
+        stream's rows per row of them."""
         words = (nbytes + 7) // 8
-        d = np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, DIGEST_BYTES // 8)
         pos = np.asarray(positions, dtype=np.uint64)
         salt = np.asarray(salt, dtype=np.int64).astype(np.uint64)
         with np.errstate(over="ignore"):
             key = d[:, 0] ^ _mix(pos * _GOLDEN + salt + np.uint64(1))
-            offset = _mix(key) % np.uint64(self._table.size - words + 1)
+            offset = (_mix(key) % np.uint64(self._table.size - words + 1)).astype(np.int64)
             word = _mix(d[:, 1] ^ _mix(key + _GOLDEN))
-        windows = np.lib.stride_tricks.sliding_window_view(self._table, words)
-        out = windows[offset.astype(np.int64)]  # one gather: a copy of n rows
+            word &= _FINITE[item]
+        return offset, word
+
+    def _gather(self, keys, nbytes: int, item: int) -> torch.Tensor:
+        offset, word = keys
+        # (t ^ w) & mask == (t & mask) ^ (w & mask): the table is masked once, not every row
+        out = self._windows(item, (nbytes + 7) // 8)[offset]  # one gather: n rows
         out ^= word[:, None]
-        out &= _FINITE[item]
         return torch.from_numpy(out).view(torch.uint8)[:, :nbytes]
+
+    def _layer_rows(self, digests, positions, salts, nbytes: int, item: int):
+        """``_rows`` of each stream in ``salts`` (an int array, e.g. one per layer) for the
+        same tokens, yielded one stream at a time; the keys computed for all at once."""
+        d = _parse(digests)
+        offsets, words = self._keys(d, positions, np.asarray(salts)[:, None], nbytes, item)
+        for offset, word in zip(offsets, words, strict=True):
+            yield self._gather((offset, word), nbytes, item)
+
+    def _windows(self, item: int, words: int) -> np.ndarray:
+        """Every ``words``-long window of the table masked for ``item``-byte elements (kept)."""
+        got = self._window_views.get((item, words))
+        if got is None:
+            masked = self._masked.get(item)
+            if masked is None:
+                masked = self._masked[item] = self._table & _FINITE[item]
+            got = np.lib.stride_tricks.sliding_window_view(masked, words)
+            self._window_views[(item, words)] = got
+        return got
 
     def kv_rows(self, digests: list[bytes], positions, layer: int) -> torch.Tensor:
         """The KV bytes of tokens with these prefix ``digests`` at ``positions`` in ``layer``:
@@ -176,6 +212,19 @@ class SyntheticKV:
         raw = self._rows(digests, positions, salts, 4 * self.index_dim, 4)
         return raw.contiguous().view(torch.float32)
 
+    def kv_rows_by_layer(self, digests: list[bytes], positions, layers=None):
+        """``kv_rows`` of the same tokens in each of ``layers`` (default: every KV layer),
+        yielded layer by layer (each a fresh tensor): the per-row arithmetic done once."""
+        layers = self.kv_layers if layers is None else layers
+        return self._layer_rows(digests, positions, layers, self.row_bytes, self.dtype.itemsize)
+
+    def index_k_by_layer(self, digests, positions, layers=None):
+        """``index_k`` of the same tokens in each of ``layers`` (default: every KV layer)."""
+        layers = self.kv_layers if layers is None else layers
+        salts = _INDEX_SALT + np.asarray(layers, dtype=np.int64)
+        for raw in self._layer_rows(digests, positions, salts, 4 * self.index_dim, 4):
+            yield raw.contiguous().view(torch.float32)
+
     def index_k_rows(self, digests, positions, layer: int) -> torch.Tensor:
         """DSA: the quantized rows (fp8 bytes, then scales) the cache must hold for them."""
         return quantize_index_k(self.index_k(digests, positions, layer))
@@ -214,11 +263,14 @@ class SyntheticKV:
         digests = token_digests(tokens, start, end, ps, req.prior)
         positions = np.arange(start, end)
         slots = self._slots(cache, req, start, end)
-        for layer in self.kv_layers:
-            k, v = self._split(self.kv_rows(digests, positions, layer))
+        index = self.index_k_by_layer(digests, positions) if self.index_dim else None
+        for layer, rows in zip(
+            self.kv_layers, self.kv_rows_by_layer(digests, positions), strict=True
+        ):
+            k, v = self._split(rows)
             cache.write_kv(layer, slots, k, v)
-            if self.index_dim:
-                cache.write_index_k(layer, slots, self.index_k(digests, positions, layer))
+            if index is not None:
+                cache.write_index_k(layer, slots, next(index))
         if not self.state_layers:
             return
         bounds = list(range(start // ps * ps + ps, end + 1, ps))
@@ -276,6 +328,9 @@ class SyntheticKV:
         full = self._slots(cache, req, 0, end)
         pool = cache.device_pool
         bad = torch.zeros(end, dtype=torch.bool)
+        # Every layer's rows of every position at once, unless window layers read fewer
+        rows = None if self.window_layers else self.kv_rows_by_layer(digests, positions)
+        index = self.index_k_by_layer(digests, positions) if self.index_dim else None
         for layer in self.kv_layers:
             lo, idx = 0, full
             if layer in self.window_layers:
@@ -283,17 +338,20 @@ class SyntheticKV:
                 idx = cache.allocator.translate_loc_from_full_to_swa(full[lo:])
             elif hasattr(cache.allocator, "translate_kv_loc"):  # virtual ids (unified SWA)
                 idx = cache.allocator.translate_kv_loc(full)
-            want = self.kv_rows(digests[lo:], positions[lo:], layer)
+            if rows is not None:
+                want = next(rows)
+            else:
+                want = self.kv_rows(digests[lo:], positions[lo:], layer)
             n, kb = len(idx), self.k_bytes
             got = pool.get_key_buffer(layer)[idx].reshape(n, -1).view(torch.uint8)
             bad[lo:] |= rows_differ(got, want[:, :kb].contiguous())
             if self.v_shape is not None:
                 got = pool.get_value_buffer(layer)[idx].reshape(n, -1).view(torch.uint8)
                 bad[lo:] |= rows_differ(got, want[:, kb:].contiguous())
-            if self.index_dim:
-                rows = pool.get_index_k_with_scale_buffer(layer)[idx]
-                want = self.index_k_rows(digests, positions, layer)
-                bad |= rows_differ(rows.contiguous(), want.contiguous())
+            if index is not None:
+                have = pool.get_index_k_with_scale_buffer(layer)[idx]
+                want = quantize_index_k(next(index))
+                bad |= rows_differ(have.contiguous(), want.contiguous())
         return bad
 
     def _verify_state(self, cache: TieredKVCache, req: Request, end: int) -> int:

@@ -18,7 +18,15 @@ at a real DSA model's scale (DeepSeek-V3.2): no weights, real latent and indexer
   (``score_keys``) and ``KEY_ROWS`` of those keys checked. The query is fixed per request and
   layer (a stand-in for the locality of real indexer scores: consecutive steps select mostly
   the same tokens), so a token's score is computed once and each layer's selection is kept
-  per request, a step comparing only the newest score with the worst one kept.
+  per request, a step comparing only the newest score with the worst one kept. The request's
+  serving state is checked once per token; each layer then calls its swapper directly.
+
+A decode token's rows are written, and every checked row read, raw
+(:class:`~tiered_kv.engine.hisparse_model.RawRows`, ``copy_mode``: with the native copier one
+block copy writes every layer's latents, one its indexer keys, and one gathers up to
+``CHECK_CHUNK`` checked rows of every layer). The checked rows are generated, gathered and
+compared ``CHECK_CHUNK`` at a time: a new request's first step copies, and checks, ~50k rows
+(60 MB at DeepSeek-V3.2's size).
 
 Logits are :func:`~tiered_kv.engine.synthetic_model.next_token`'s one-hot row, so every way of
 serving decodes the same tokens. Counters as :class:`SyntheticModel`'s, plus the swap-in
@@ -35,7 +43,7 @@ import torch
 from tiered_kv.cache.facade import TieredKVCache
 from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
 from tiered_kv.device.dsa_pool import quantize_index_k
-from tiered_kv.engine.hisparse_model import StagedKV, SwapKV, swap_in_retried
+from tiered_kv.engine.hisparse_model import RawRows, StagedKV, SwapKV, swap_in_retried
 from tiered_kv.engine.kv_bytes import HiSparseBytes
 from tiered_kv.engine.sparse_scores import IndexerScores, ScoreMemo
 from tiered_kv.engine.synthetic_kv import SyntheticKV, rows_differ, token_digests
@@ -46,6 +54,7 @@ SAMPLE_ROWS = 16  # selected rows checked in each sampled layer
 SAMPLED_LAYERS = 4  # layers sampled per token besides the one checked whole
 KEY_ROWS = 64  # indexer keys checked per token (in the layer checked whole)
 FULL_EVERY = 4  # one layer's whole selection checked every FULL_EVERY-th decode token
+CHECK_CHUNK = 2048  # checked rows generated, gathered and compared at a time (2.3 MB at 1152)
 
 
 class SyntheticSparseDSA:
@@ -58,6 +67,7 @@ class SyntheticSparseDSA:
         retries: int = 3,
         sample_rows: int = SAMPLE_ROWS,
         on_restored: Callable[[TieredKVCache, SparseRequest], None] | None = None,
+        copy_mode: str = "auto",
     ) -> None:
         if not isinstance(kv, SyntheticKV) or not kv.index_dim:
             raise InvalidArgumentError("kv must be the SyntheticKV of a DSA cache")
@@ -75,10 +85,8 @@ class SyntheticSparseDSA:
         self.latent_bytes = (g.kv_lora_rank + g.qk_rope_head_dim) * g.torch_dtype.itemsize
         self.layers = kv.kv_layers
         self.scores = IndexerScores(kv, topk, self.page_size)
-        # Each pool layer's latent rows as bytes, (slots, row bytes), sharing its memory
-        self._latent_rows = [b.view(torch.uint8).view(b.shape[0], -1) for b in self.pool.kv_buffer]
-        cpu = self.pool.device.type == "cpu"  # there numpy views of the same memory
-        self._latent_np = [t.numpy() for t in self._latent_rows] if cpu else None
+        self._layer_ids = np.asarray(self.layers, dtype=np.int64)
+        self.raw = RawRows(self.pool, self.layers, copy_mode, chunk=CHECK_CHUNK)
         self.restores = self.verified_tokens = self.mismatched_tokens = 0
         self.restored_tokens = self.restored_bytes = self.all_full_restored_bytes = 0
         self.computed_tokens = self.recomputed_tokens = 0
@@ -161,28 +169,27 @@ class SyntheticSparseDSA:
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, req: SparseRequest, kv: SwapKV, pos: int, digests) -> None:
         memo, layers = self._memo[id(req)][1], self.layers
-        every = np.asarray(layers, dtype=np.int64)
-        here = [digests[pos]] * len(layers)
-        latents = self.kv.kv_rows_of(here, [pos] * len(layers), every)  # every layer at once
-        index_rows = quantize_index_k(self.kv.index_k_of(here, [pos] * len(layers), every))
-        slot = kv.slot.to(torch.int64)
-        for i, layer in enumerate(layers):  # raw rows at the reserved slot: the pool API's
-            local = self.pool.layer_index(layer)  # checks cost more than the write, per layer
-            self._latent_rows[local][slot] = latents[i : i + 1]
-            self.pool.index_k_with_scale_buffer[local][slot] = index_rows[i : i + 1]
+        n = len(layers)
+        here = [digests[pos]] * n
+        latents = self.kv.kv_rows_of(here, [pos] * n, self._layer_ids)  # every layer at once
+        index_rows = quantize_index_k(self.kv.index_k_of(here, [pos] * n, self._layer_ids))
+        self.raw.write(kv.slot, latents, index_rows)
         self.scores.score_upto(memo, pos)
         self.scores.score_own(memo, pos, index_rows)  # its key, scored once for the next steps
         if pos == 0:
             return
         top = self.scores.top(memo, pos)
-        n = len(layers)
+        # The serving wrapper's swap_in only checks the request's state, which no layer's
+        # swap-in changes: checked once here, then the swapper is called directly.
+        self.serving._check(req, staged=False)  # noqa: SLF001
+        swap_in = req.swapper.swap_in
         # Every FULL_EVERY-th token selects one layer (turning) from every indexer key as the
         # device holds them and checks that layer's whole selection; every token samples
         # selected rows (mostly buffer hits) in a few layers (turning too).
         full = (pos // FULL_EVERY) % n if pos % FULL_EVERY == 0 else -1
         sampled = {(pos + 1 + j * n // (SAMPLED_LAYERS + 1)) % n for j in range(SAMPLED_LAYERS)}
         bad = False
-        checks: list[tuple[int, torch.Tensor, np.ndarray]] = []
+        checks: list[tuple[int, np.ndarray, np.ndarray]] = []  # layer index, slots, positions
         for i, layer in enumerate(layers):
             chosen = top[i]
             if i == full:  # the indexer keys as the device holds them, scored and selected
@@ -192,10 +199,13 @@ class SyntheticSparseDSA:
                 bad |= not torch.equal(keys[at].view(torch.int32), want.view(torch.int32))
                 k = min(self.topk, pos)
                 chosen = torch.topk(keys @ memo.queries[i], k, sorted=False).indices.numpy()
-            slots, copied = self._swap_in(req, layer, torch.from_numpy(chosen))
+            got, failed = swap_in_retried(swap_in, layer, torch.from_numpy(chosen), self.retries)
+            self._count(got, failed)
+            slots = got.device_slots.cpu().numpy()  # no copy on CPU
             if i == full:
                 checks.append((i, slots, chosen))
                 continue
+            copied = got.copied
             if copied.size:  # every row copied in from host, in every layer
                 checks.append((i, slots[copied], chosen[copied]))
             if i in sampled:
@@ -205,43 +215,39 @@ class SyntheticSparseDSA:
         self.verified_tokens += 1
         self.mismatched_tokens += bad
 
-    def _bad_selected(self, checks, digests) -> bool:
-        """Whether any buffer row checked holds another latent than its selected token's (one
-        generator call for every layer's rows)."""
-        sel = np.concatenate([c[2] for c in checks])
-        layers = np.concatenate([np.full(len(c[2]), self.layers[c[0]]) for c in checks])
-        want = self.kv.kv_rows_of([digests[j] for j in sel], sel, layers)
-        local = self.pool.layer_index
-        if self._latent_np is not None:  # numpy's gather: ~5x torch's for these small ones
-            rows_of = self._latent_np
-            got = np.concatenate([rows_of[local(self.layers[i])][r.numpy()] for i, r, _ in checks])
-            got = torch.from_numpy(got)
-        else:
-            rows_of = self._latent_rows
-            got = torch.cat([rows_of[local(self.layers[i])][r] for i, r, _ in checks]).cpu()
-        self.checked_rows += len(sel)
-        return bool(rows_differ(got, want.contiguous()).any())
-
-    def _swap_in(self, req: SparseRequest, layer: int, chosen: torch.Tensor):
-        """Swap ``chosen`` in; their device slots and the indices of those copied now."""
-        got, failed = swap_in_retried(self.serving, req, layer, chosen, self.retries)
+    def _count(self, got, failed: int) -> None:
+        """One layer's swap-in in the counters."""
         self.failed_copies += failed
         self.swap_hits += got.hits
         self.swap_loaded += got.loaded
         nbytes = got.loaded * self.latent_bytes
         self.swap_bytes += nbytes
         self.loaded.host_bytes += nbytes  # host -> device over the modeled link
-        return got.device_slots, got.copied
 
     # -- checks -----------------------------------------------------------------------------------
+    def _bad_selected(self, checks, digests) -> bool:
+        """Whether any buffer row checked holds another latent than its selected token's: a
+        check ``(i, slots, positions)`` reads device ``slots`` of layer ``self.layers[i]``,
+        which must hold ``positions``. Every layer's rows at once, ``CHECK_CHUNK`` rows at a
+        time (a new request's first step copies, and checks, ~50k rows: 60 MB)."""
+        on, at_slots, of = zip(*checks, strict=True)
+        sel, slots = np.concatenate(of), np.concatenate(at_slots)
+        idx = np.repeat(np.asarray(on, dtype=np.int64), [len(c) for c in of])  # layer per row
+        self.checked_rows += len(sel)
+        chosen = [digests[j] for j in sel.tolist()]
+        bad = False
+        for lo in range(0, len(sel), CHECK_CHUNK):
+            part = slice(lo, lo + CHECK_CHUNK)
+            want = self.kv.kv_rows_of(chosen[part], sel[part], self._layer_ids[idx[part]])
+            bad |= not _same(self.raw.gather(idx[part], slots[part]), want.numpy())
+        return bad
+
     def _bad_rows(self, layer: int, rows: torch.Tensor, digests, positions) -> torch.Tensor:
         """Per row, whether device ``rows`` of ``layer`` hold other latent or indexer bytes than
         the synthetic ones of ``positions`` (read raw: no getter waits on a dense load)."""
-        local = self.pool.layer_index(layer)
         n = len(rows)
-        got = self.pool.kv_buffer[local][rows].reshape(n, -1).view(torch.uint8)
+        got, index = self.raw.take(self.pool.layer_index(layer), rows)
         bad = rows_differ(got, self.kv.kv_rows(digests, positions, layer).contiguous())
-        index = self.pool.index_k_with_scale_buffer[local][rows].reshape(n, -1).view(torch.uint8)
         want = self.kv.index_k_rows(digests, positions, layer).reshape(n, -1).view(torch.uint8)
         self.checked_rows += n
         return bad | rows_differ(index.contiguous(), want.contiguous())
@@ -259,3 +265,13 @@ class SyntheticSparseDSA:
         if len(have) < end:
             have += token_digests(req.tokens, len(have), end, self.page_size, req.prior)
         return have
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> bool:
+    """Whether two (n, bytes) uint8 arrays hold the same bytes (as 8-byte words where the rows
+    allow: the same answer, several times faster)."""
+    if got.shape != want.shape:
+        return False
+    if got.flags.c_contiguous and want.flags.c_contiguous and got.shape[1] % 8 == 0:
+        got, want = got.view(np.uint64), want.view(np.uint64)
+    return bool(np.array_equal(got, want))

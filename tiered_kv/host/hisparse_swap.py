@@ -45,6 +45,8 @@ from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.host.host_kv_cache import HostKVCache
 from tiered_kv.host.layer_rows import MODES, LayerRowLoader
 from tiered_kv.host.pool_group import HostPoolGroup
+from tiered_kv.host.swap_plan import MODES as PLAN_MODES
+from tiered_kv.host.swap_plan import planner
 
 _CPU = torch.device("cpu")
 _NONE = torch.empty(0, dtype=torch.int64)  # SwapIn.failed when nothing failed
@@ -74,6 +76,7 @@ class HiSparseSwapper:
         buffer: torch.Tensor,
         kept: int,
         copy_mode: str = "auto",
+        plan_mode: str = "auto",
     ) -> None:
         """Use :meth:`admit`: it validates, stages and takes the buffer."""
         self.allocator = allocator
@@ -84,20 +87,27 @@ class HiSparseSwapper:
         self._host_np = host_slots.numpy()  # shares memory with host_slots
         self.buffer = buffer  # device slots: buffer_size swap slots, then the reserved page
         self.buffer_size = buffer.numel() - allocator.page_size
+        self._plan = planner(plan_mode, self.buffer_size)  # swap_plan: native or numpy
         self.reserved = buffer[self.buffer_size :][:1]  # the newest token's device slot
         ids = buffer.to(_CPU, torch.int64).numpy()
-        # By buffer index, the swap slots' device slots, then 0 (a failed token's -1 reads it)
-        self._slot_ids = np.append(ids[: self.buffer_size], 0)
-        self._reserved_id = int(ids[self.buffer_size])
-        self._arange = np.arange(self.buffer_size + 1, dtype=np.int64)
-        # Scratch by position, all -1 between calls, plus a sentinel that the -1 of an empty
-        # slot indexes; grown by begin_token.
-        self._where = np.full(max(16, 2 * logical.numel()) + 1, -1, dtype=np.int64)
+        b = self.buffer_size
+        # By buffer index: the swap slots' device slots, the reserved one (index b: the newest
+        # token's), then 0 (index -1: a failed token's, the padding sink)
+        self._slot_ids = np.append(ids[: b + 1], 0)
         layers = pool.layer_num
-        self.token_in = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
+        # Per layer, position -> buffer index (-1: not resident; b: the newest token), kept
+        # with the residency; grown by begin_token.
+        self._slot_of = np.full((layers, max(16, 2 * logical.numel())), -1, dtype=np.int32)
+        self._slot_of[:, :kept] = np.arange(kept, dtype=np.int32)
+        self.token_in = torch.full((layers, b), -1, dtype=torch.int64)
         self.token_in[:, :kept] = torch.arange(kept)  # prefill rows kept in place, all layers
-        self.last_used = torch.full((layers, self.buffer_size), -1, dtype=torch.int64)
-        self._token_in, self._last_used = self.token_in.numpy(), self.last_used.numpy()
+        # Last use per buffer index, plus a column (b) that the newest token's and a miss's
+        # -1 stamp, never a victim
+        self._last_used = np.full((layers, b + 1), -1, dtype=np.int64)
+        self._map_at = self._slot_of.ctypes.data  # addresses for the native planner
+        self._lru_at = [self._last_used.ctypes.data + i * (b + 1) * 8 for i in range(layers)]
+        self.last_used = torch.from_numpy(self._last_used[:, :b])
+        self._token_in = self.token_in.numpy()
         self.newest: int | None = None
         self.clock = 0
         self.num_hits = self.num_loaded = self.num_failed = 0
@@ -116,6 +126,7 @@ class HiSparseSwapper:
         buffer_size: int,
         *,
         copy_mode: str = "auto",
+        plan_mode: str = "auto",
         backed_up: int = 0,
     ) -> HiSparseSwapper | None:
         """After a prefill wrote the request's tokens at their device slots (``logical``,
@@ -123,7 +134,8 @@ class HiSparseSwapper:
         rows into ``index_keys``, and turn the device slots into a buffer of ``buffer_size``
         slots (a multiple of the page size) plus a reserved page. The first prefill tokens
         stay resident where their slots were kept. ``copy_mode`` is how swap-in copies
-        (:class:`LayerRowLoader`: ``auto``, ``blocks``, ``numpy``, ``kernel``). Returns None,
+        (:class:`LayerRowLoader`: ``auto``, ``blocks``, ``numpy``, ``kernel``), ``plan_mode``
+        how it keeps its books (``swap_plan``: ``auto``, ``native``, ``numpy``). Returns None,
         with the device slots untouched (their host copy made), when the device cannot hold
         the buffer. ``backed_up``: the first tokens whose host slots already hold them (a
         prefix restored from the tree): not backed up again. Raises InvalidArgumentError /
@@ -146,6 +158,8 @@ class HiSparseSwapper:
         _latent_member(host)  # raises when the host pool holds no latent
         if copy_mode not in MODES:
             raise InvalidArgumentError(f"copy_mode={copy_mode!r}; use one of {MODES}")
+        if plan_mode not in PLAN_MODES:
+            raise InvalidArgumentError(f"plan_mode={plan_mode!r}; use one of {PLAN_MODES}")
         if type(backed_up) is not int or not 0 <= backed_up < logical.numel():
             raise InvalidArgumentError(
                 f"backed_up={backed_up!r} must be an int in [0, {logical.numel()})"
@@ -160,7 +174,7 @@ class HiSparseSwapper:
         kept = min(buffer_size, logical.numel())
         return cls(
             allocator, pool, host, index_keys, logical.to(_CPU, torch.int64),
-            host_slots.to(torch.int64).contiguous(), buffer, kept, copy_mode,
+            host_slots.to(torch.int64).contiguous(), buffer, kept, copy_mode, plan_mode,
         )  # fmt: skip
 
     # -- the newest token -----------------------------------------------------------------------
@@ -188,9 +202,13 @@ class HiSparseSwapper:
         self.logical = torch.cat([self.logical, logical.to(_CPU, torch.int64)])
         self.host_slots = torch.cat([self.host_slots, host_slot.to(torch.int64)])
         self._host_np = self.host_slots.numpy()
-        if self.num_tokens >= self._where.size:
-            self._where = np.full(2 * self.num_tokens + 1, -1, dtype=np.int64)
+        if self.num_tokens > self._slot_of.shape[1]:
+            grown = np.full((self._slot_of.shape[0], 2 * self.num_tokens), -1, dtype=np.int32)
+            grown[:, : self._slot_of.shape[1]] = self._slot_of
+            self._slot_of = grown
+            self._map_at = grown.ctypes.data
         self.newest = self.num_tokens - 1
+        self._slot_of[:, self.newest] = self.buffer_size  # the reserved slot, every layer
         return slot
 
     def commit_token(self) -> None:
@@ -205,6 +223,7 @@ class HiSparseSwapper:
         if self.index_keys is not None:
             self.index_keys.copy_from_device(lg, self.reserved)
         self.allocator.logical_to_device[lg] = 0
+        self._slot_of[:, self.newest] = -1  # a host token now: resident nowhere
         self.newest = None
 
     # -- scoring and swap-in --------------------------------------------------------------------
@@ -227,44 +246,47 @@ class HiSparseSwapper:
         """Make the tokens at ``positions`` (unique, CPU int, at most ``buffer_size`` besides
         the newest token) resident in layer ``layer_id`` and return their device slots.
         Mutates that layer's residency and buffer rows only. A failed copy is a counted miss
-        (``SwapIn.failed``); bad input raises InvalidArgumentError and changes nothing."""
+        (``SwapIn.failed``); bad input raises InvalidArgumentError and changes nothing.
+
+        The bookkeeping is a few numpy passes over the selection: each position's buffer
+        index comes from the layer's position -> index map, the hits are stamped with this
+        call's clock (which also finds repeats: two equal positions stamp one index), and
+        only a miss touches anything else."""
         self._live()
         local = self.pool.layer_index(layer_id)
-        sel, is_new = self._check_positions(positions)
-        rest = sel if is_new is None else sel[~is_new]
-        held, lru, where = self._token_in[local], self._last_used[local], self._where
-        # Each selected token's slot in this layer (-1: not resident): the scratch maps
-        # position -> slot for this layer's residents only, and is all -1 again after.
-        where[held] = self._arange[: self.buffer_size]  # empty slots (-1) hit the sentinel
-        slot_of = where[rest]
-        where[held] = -1
-        missing = slot_of < 0
-        miss = rest[missing]
-        self.clock += 1
-        lru[slot_of[~missing]] = self.clock  # hits: used now, so never victims below
+        check_index_tensor("positions", positions, _CPU)
+        sel = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
+        index_of, lru = self._slot_of[local], self._last_used[local]
+        clock = self.clock + 1
+        same = positions.dtype == torch.int64 and positions.is_contiguous()  # sel is its memory
+        at = positions.data_ptr() if same else sel.ctypes.data
+        ptrs = (at, self._map_at + local * self._slot_of.strides[0], self._lru_at[local])
+        plan = self._plan(sel, self.num_tokens, index_of, lru, self.buffer_size, clock, ptrs)
+        slot_of, missing = plan.slot_of, plan.missing
+        miss = sel[missing]
+        k = sel.size
+        self.clock = clock
         ok = True
         if miss.size:
-            free = np.flatnonzero(lru != self.clock)  # empty or unselected: oldest first
+            free = plan.free  # empty or unselected: oldest first
             victims = free[np.argsort(lru[free], kind="stable")[: miss.size]]
-            held[victims] = -1  # their old tokens are gone whatever the copy does
+            held = self._token_in[local]
+            gone = held[victims]
+            index_of[gone[gone >= 0]] = -1  # their old tokens are gone whatever the copy does
+            held[victims] = -1
             ok = self._load(layer_id, miss, victims)
             if ok:
                 held[victims] = miss
+                index_of[miss] = victims
                 slot_of[missing] = victims
-                lru[victims] = self.clock
+                lru[victims] = clock
             else:
                 lru[victims] = -1
         slots = self._slot_ids[slot_of]  # a failed token's -1 reads the trailing 0
-        if is_new is not None:
-            slots = np.full(sel.size, self._reserved_id, dtype=np.int64)
-            slots[~is_new] = self._slot_ids[slot_of]
-        hits = sel.size - miss.size
-        loaded = miss.size if ok else 0
+        hits = k - missing.size
+        loaded = missing.size if ok else 0
         failed = _NONE if ok else torch.from_numpy(miss)
-        copied = _NO_ROWS
-        if ok and miss.size:
-            copied = np.flatnonzero(missing)
-            copied = copied if is_new is None else np.flatnonzero(~is_new)[copied]
+        copied = missing if ok and miss.size else _NO_ROWS
         self.num_hits += hits
         self.num_loaded += loaded
         self.num_failed += failed.numel()
@@ -272,34 +294,6 @@ class HiSparseSwapper:
         if self.buffer.device.type != "cpu":
             slots_t = slots_t.to(self.buffer.device)
         return SwapIn(slots_t, hits, loaded, failed, copied)
-
-    def _check_positions(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
-        """The positions as int64 numpy and where the newest token is among them (None: not
-        selected); raises InvalidArgumentError, changing nothing, on bad input."""
-        check_index_tensor("positions", positions, _CPU)
-        sel = positions.numpy().astype(np.int64, copy=False)
-        n, k = self.num_tokens, sel.size
-        if np.count_nonzero(sel.view(np.uint64) >= n):  # a negative one wraps to > n too
-            raise InvalidArgumentError(f"positions must be in [0, {n}); got {sel.tolist()[:8]}...")
-        if k > self.buffer_size + 1:
-            repeated = np.unique(sel).size != k
-        else:  # through the all -1 scratch: a repeat's first entry is overwritten
-            where, order = self._where, self._arange[:k]
-            where[sel] = order
-            repeated = np.count_nonzero(where[sel] != order) > 0
-            where[sel] = -1
-        if repeated:
-            raise InvalidArgumentError("positions repeat; select each token once")
-        is_new = None if self.newest is None else sel == self.newest
-        if is_new is not None and not np.count_nonzero(is_new):
-            is_new = None
-        others = k - (is_new is not None)
-        if others > self.buffer_size:
-            raise InvalidArgumentError(
-                f"{others} positions selected besides the newest token; the device buffer "
-                f"holds {self.buffer_size} (admit with a larger buffer_size)"
-            )
-        return sel, is_new
 
     def _load(self, layer_id: int, positions: np.ndarray, slots: np.ndarray) -> bool:
         """Copy layer ``layer_id`` of ``positions`` from host into buffer ``slots`` (indices

@@ -1,5 +1,6 @@
-"""Build and load the native libraries on first use: the block copier (``native/copy_blocks.c``)
-and the copy engine (``native/copy_engine.c`` with ``copy_rows.c`` and ``index_check.c``).
+"""Build and load the native libraries on first use: the block copier (``native/copy_blocks.c``),
+the copy engine (``native/copy_engine.c`` with ``copy_rows.c`` and ``index_check.c``) and the
+HiSparse swap-in bookkeeping (``native/swap_plan.c``).
 
 Each shared library is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into a cache folder keyed by the source's hash, then loaded with ctypes. Where no compiler works
@@ -26,6 +27,7 @@ _NATIVE = Path(__file__).with_name("native")
 ENGINE_SOURCES = tuple(_NATIVE / n for n in ("copy_engine.c", "copy_rows.c", "index_check.c"))
 ENGINE_HEADERS = (_NATIVE / "copy_rows.h", _NATIVE / "copy_row.h")
 BLOCK_HEADERS = (_NATIVE / "copy_row.h",)
+SWAP_PLAN = _NATIVE / "swap_plan.c"
 
 _lock = threading.Lock()
 # key -> (library, None) once loaded, or (None, why not) once it failed
@@ -94,6 +96,24 @@ def load() -> ctypes.CDLL | None:
     """The block copier's library, building it if needed; None (with :func:`error`) if
     impossible."""
     return _load("blocks", "native block copier", (SOURCE, *BLOCK_HEADERS), _type_copy_blocks)
+
+
+def _type_swap_plan(lib: ctypes.CDLL) -> None:
+    fn = lib.tkv_swap_plan
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, i, p, p, i, i, p, p, p, p]
+    fn.restype = ctypes.c_int
+
+
+def load_swap_plan() -> ctypes.CDLL | None:
+    """The HiSparse swap-in bookkeeping (``native/swap_plan.c``), building it if needed; None
+    (with :func:`swap_plan_error`) if impossible."""
+    return _load("swap_plan", "native swap-in bookkeeping", (SWAP_PLAN,), _type_swap_plan)
+
+
+def swap_plan_error() -> str | None:
+    load_swap_plan()
+    return _loaded["swap_plan"][1]
 
 
 def error() -> str | None:
