@@ -14,9 +14,12 @@ which has one device slot per token, cannot say that: a swap-in does not go thro
 through the host pool's general ``load_to_device_per_layer``, whose translation, validation
 and plan building cost ~1 ms per layer call). Its copy goes straight from the tokens' host
 slots (each written by a validated backup, in ``admit`` or ``commit_token``) into physical
-slots of the request's own buffer, one :class:`LayerRowLoader` call per layer, and the
-bookkeeping is a few numpy operations over the buffer's slots. Only the newest token has a
-table entry (the reserved slot, written by the model) until ``commit_token`` has backed it up.
+slots of the request's own buffer, one :class:`LayerRowLoader` call per layer. The
+bookkeeping: per layer a position -> buffer slot map kept with the residency (the pending
+newest token at the reserved index in every layer), and per call one plan
+(:mod:`~tiered_kv.host.swap_plan`: one native call, or numpy) that validates the selection,
+stamps the hits and lists the misses and the free slots. Only the newest token has a table
+entry (the reserved slot, written by the model) until ``commit_token`` has backed it up.
 
 A slot is marked as holding a token only after that token's copy returned: a copy that
 raises leaves every token of it non-resident - a counted miss reported in ``SwapIn.failed``,
