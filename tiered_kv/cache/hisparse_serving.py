@@ -204,8 +204,13 @@ class HiSparseServing:
         return True
 
     def swap_in(self, req: SparseRequest, layer_id: int, positions: torch.Tensor) -> SwapIn:
+        return self.swapper(req).swap_in(layer_id, positions)
+
+    def swapper(self, req: SparseRequest) -> HiSparseSwapper:
+        """The admitted live request's swapper (StateError otherwise): a forward that swaps
+        every layer in checks the request once and calls it per layer."""
         self._check(req, staged=False)
-        return req.swapper.swap_in(layer_id, positions)
+        return req.swapper
 
     def score_keys(self, req: SparseRequest, layer_id: int) -> torch.Tensor:
         self._check(req, staged=False)

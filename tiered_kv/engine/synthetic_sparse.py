@@ -179,10 +179,9 @@ class SyntheticSparseDSA:
         if pos == 0:
             return
         top = self.scores.top(memo, pos)
-        # The serving wrapper's swap_in only checks the request's state, which no layer's
-        # swap-in changes: checked once here, then the swapper is called directly.
-        self.serving._check(req, staged=False)  # noqa: SLF001
-        swap_in = req.swapper.swap_in
+        # The request's state is checked once (no layer's swap-in changes it), then its
+        # swapper is called per layer.
+        swap_in = self.serving.swapper(req).swap_in
         # Every FULL_EVERY-th token selects one layer (turning) from every indexer key as the
         # device holds them and checks that layer's whole selection; every token samples
         # selected rows (mostly buffer hits) in a few layers (turning too).
