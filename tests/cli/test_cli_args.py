@@ -37,7 +37,7 @@ def _fail(capsys, argv: list[str]) -> str:
 RUN_ERRORS = [
     (["--users", "abc"], ["--users", "'abc'", "not an integer"]),
     (["--users", "0"], ["--users", "0 must be >= 1"]),
-    (["--scale", "0"], ["--scale", "0.0 must be > 0"]),
+    (["--scale", "0"], ["--scale", "0.0 must be in (0, 10000)"]),
     (["--scale", "x"], ["--scale", "'x'", "not a number"]),
     (["--preset", "gpt-9"], ["--preset", "'gpt-9'", "llama-3-8b"]),
     (["--cost-model", "tpu"], ["--cost-model", "'tpu'"]),
@@ -91,7 +91,7 @@ SIM_ERRORS = [
     (["--storage", "-1"], ["--storage -1"]),
     (["--storage", "2.5"], ["--storage 2.5"]),
     (["--storage", "y"], ["--storage", "'y'"]),
-    (["--host-ratio", "-1"], ["--host-ratio -1"]),
+    (["--host-ratio", "-1"], ["--host-ratio", "-1.0 must be >= 0"]),
     (["--host-ratio", "x"], ["--host-ratio", "'x'"]),
     (["--policies", "lru,bogus"], ["--policies", "bogus", "lru, lfu"]),
     (["--policies", ","], ["--policies", "nothing"]),

@@ -179,7 +179,7 @@ def test_lists_for_comma_separated_flags(tmp_path):
         ("run", "[runn]\nusers = 2\n", ["unknown table [runn]", "[run]"]),
         ("run", "[serve-scale]\nusers = 2\n", ["unknown table [serve-scale]", "[run]"]),
         ("run", 'users = "abc"\n', ["users='abc'", "not an integer"]),
-        ("run", "[run]\nscale = 0\n", ["scale=0", "must be > 0"]),
+        ("run", "[run]\nscale = 0\n", ["scale=0", "must be in (0, 10000)"]),
         ("run", 'preset = "gpt-9"\n', ["preset='gpt-9'", "llama-3-8b"]),
         ("run", "fresh = true\n", ["unknown key 'fresh'"]),
         ("run", "chunk-tokens = 100\npage-size = 64\n", ["chunk_tokens=100"]),

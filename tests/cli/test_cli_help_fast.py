@@ -8,8 +8,11 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
+
 from tests.cli.cli_process import ENV, ROOT
 from tiered_kv.cli import run_defaults
+from tiered_kv.errors import InvalidArgumentError
 
 PROBE = """
 import contextlib, io, sys
@@ -50,6 +53,10 @@ def test_run_defaults_are_the_engines():
     links = LinkModel()
     assert run_defaults.PCIE_GBPS * 1e9 == links.host_to_device_bytes_per_s
     assert run_defaults.DISK_GBPS * 1e9 == links.storage_to_host_bytes_per_s
+    # The parser's bound on --scale is ScaleConfig's: just under it is a config, it is not.
+    assert ScaleConfig(scale=run_defaults.MAX_SCALE * (1 - 1e-9)).scale < run_defaults.MAX_SCALE
+    with pytest.raises(InvalidArgumentError, match="scale="):
+        ScaleConfig(scale=run_defaults.MAX_SCALE)
 
 
 def test_every_run_flag_that_is_a_scale_config_field_defaults_to_the_engines():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 from collections import defaultdict
 
@@ -302,3 +303,23 @@ def test_sim_generator_bailian(tmp_path, capsys, seed):
     assert res["source"] == "bailian"
     assert res["requests"] == 120 and res["accesses"] == sum(len(r.blocks) for r in trace), seed
     assert res["unique_blocks"] == unique_blocks(trace), seed
+
+
+def test_readers_refuse_a_file_that_is_not_utf8_with_a_typed_error(tmp_path):
+    """Issue 38: a trace that is not UTF-8 (a binary or compressed file, a bad byte in a line)
+    raises InvalidArgumentError (a TieredKVError) naming the file and the line, from every
+    reader, whatever the locale's encoding; never UnicodeDecodeError."""
+    from tiered_kv.errors import TieredKVError
+    from tiered_kv.sim.traces import load_mooncake
+
+    p = tmp_path / "trace.jsonl"
+    p.write_bytes((LINES[0] + "\n").encode() + b'{"chat_id": "\xe9t\xe9"}\n')
+    for read in (read_bailian, load_bailian, load_mooncake):
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"{p}:2: not UTF-8")) as info:
+            read(p)
+        assert isinstance(info.value, TieredKVError) and info.value.__cause__ is None
+    assert is_bailian(p)  # its first line is fine
+    p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(128, 256)))
+    for read in (read_bailian, is_bailian, load_mooncake):
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"{p}:1: not UTF-8") + ".*gzip"):
+            read(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from tiered_kv.storage_config import BACKEND_HINT, StorageConfig, backend_ok
@@ -24,6 +25,36 @@ def _int_at_least(minimum: int):
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+
+def float_in(low: float, high: float = math.inf, *, low_in: bool = False, high_in: bool = True):
+    """A finite number from ``low`` to ``high`` (each end included where ``low_in`` /
+    ``high_in``; ``high`` inf: no upper end). ``inf``, ``nan`` and what reads as inf (``1e400``)
+    are refused here, when the arguments are parsed, so the message names the flag rather than
+    the field of a config built later (and before torch is imported)."""
+    if high == math.inf:
+        valid = f"{'>=' if low_in else '>'} {low:g}"
+    else:
+        valid = f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one {valid}")
+        if not (low <= value if low_in else low < value) or not (
+            value <= high if high_in else value < high
+        ):
+            raise argparse.ArgumentTypeError(f"{value} must be {valid}")
+        return value
+
+    return parse
+
+
+positive_float = float_in(0)
+non_negative_float = float_in(0, low_in=True)
 
 
 def fraction(text: str) -> float:
@@ -49,7 +80,7 @@ def capacity_list(text: str) -> list[float]:
             value = float(part)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{part!r} is not a number") from None
-        if value <= 0 or (value > 1 and value != int(value)):
+        if not math.isfinite(value) or value <= 0 or (value > 1 and value != int(value)):
             raise argparse.ArgumentTypeError(
                 f"{part!r}: give a fraction of the unique blocks in (0, 1] or a whole block count"
             )

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 try:
@@ -152,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status. Ctrl-C (SIGINT) ends it with one line on stderr and
     status 130 (128 + SIGINT, as a shell reports a command the signal ended), after the
     command's own cleanup (its caches and stores closed, its temporary folders removed); a
-    second Ctrl-C during that cleanup ends the process at once. A stdout whose reader went away
-    (``| head``) ends it quietly with status 141."""
+    second Ctrl-C during that cleanup ends the process at once (one within ``DOUBLE_TAP_S`` of
+    the first is taken for the same), and one after it, while the process exits, is ignored:
+    main ends the process, and after a Ctrl-C leaves SIGINT ignored (``_interruptible``). A
+    stdout whose reader went away (``| head``) ends it quietly with status 141."""
     with _interruptible():
         try:
             args = parse(argv)
@@ -168,19 +171,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 141  # 128 + SIGPIPE, as a shell reports a writer the pipe ended
 
 
+# A second Ctrl-C this soon after the first is the same one pressed twice (a double tap), not a
+# request to skip the clean-up: ignored.
+DOUBLE_TAP_S = 1.0
+
+
 @contextlib.contextmanager
 def _interruptible() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt once; another while the first unwinds exits at once
-    (status 130, no traceback). Only from the main thread (a signal handler is set there)."""
+    """SIGINT raises KeyboardInterrupt once; another while the first unwinds (the command's
+    clean-up) exits at once (status 130, no traceback), unless it comes within
+    ``DOUBLE_TAP_S`` of the first. Once the command has returned after a SIGINT, SIGINT is
+    ignored: the process is ending, and its exit-time clean-up (``atexit`` hooks, ``weakref``
+    finalizers, which close what is still open) runs to its end; a Ctrl-C there raised a
+    KeyboardInterrupt traceback from it. Only from the main thread (a signal handler is set
+    there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    first_at: float | None = None
 
     def again(signum, frame) -> None:
+        if time.monotonic() - first_at < DOUBLE_TAP_S:
+            return
         print("tiered-kv: interrupted again; exiting without cleanup", file=sys.stderr)
         os._exit(130)
 
     def first(signum, frame) -> None:
+        nonlocal first_at
+        first_at = time.monotonic()
         signal.signal(signal.SIGINT, again)
         raise KeyboardInterrupt
 
@@ -188,8 +206,15 @@ def _interruptible() -> Iterator[None]:
     try:
         yield
     finally:
-        # None: the handler before was not set from Python; the default one is what it was.
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if first_at is not None:
+            # Ignored, not handled: SIG_IGN outlives the interpreter's finalization, which puts
+            # a Python handler back to SIG_DFL (a late Ctrl-C then killed the process by the
+            # signal instead of status 130).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:  # None: the handler before was not set from Python; the default one it was.
+            signal.signal(
+                signal.SIGINT, signal.default_int_handler if previous is None else previous
+            )
 
 
 if __name__ == "__main__":

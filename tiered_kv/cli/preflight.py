@@ -1,7 +1,8 @@
-"""Checks a command makes before any work: an output file, a store directory, a port, the memory
-a run will allocate. Each refuses what would fail later with one line on stderr naming the flag,
-the value and what would work, and exit status 2 (argparse's), so a run that would fail at its
-end fails at once and leaves nothing behind (no folder created, no file half-written).
+"""Checks a command makes before any work: an output file, an input trace, a store directory, a
+port, the memory a run will allocate. Each refuses what would fail later with one line on stderr
+naming the flag, the value and what would work, and exit status 2 (argparse's), so a run that
+would fail at its end fails at once and leaves nothing behind (no folder created, no file
+half-written).
 
 A check that needs the filesystem tries it for real (a temporary folder made and removed) rather
 than trusting permission bits, which say nothing for root or a read-only mount.
@@ -9,6 +10,7 @@ than trusting permission bits, which say nothing for root or a read-only mount.
 
 from __future__ import annotations
 
+import codecs
 import os
 import socket
 import sys
@@ -47,6 +49,24 @@ def check_output_file(command: str, flag: str, path: str | None) -> None:
     why = _cannot_write(parent)
     if why:
         fail(command, f"{flag} {path}: cannot write in {parent} ({why}); name a writable directory")
+
+
+def check_trace_file(command: str, flag: str, path: str, head: int = 1 << 16) -> None:
+    """``path`` is a file this process can read whose first ``head`` bytes are UTF-8 text (a
+    JSONL trace; not a binary or gzip-compressed file). The rest is checked as it is read: the
+    trace readers refuse a line that is not UTF-8 with a ``TieredKVError`` naming it."""
+    from tiered_kv.sim.traces import not_utf8
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(head)
+    except OSError as exc:
+        fail(command, f"{flag} {path}: {exc.strerror or exc}")
+    try:
+        # final=False: a character cut at the end of `data` is not an error.
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError as exc:
+        fail(command, f"{flag} {path}: {not_utf8(data, exc.start)}")
 
 
 def check_store_dir(

@@ -33,6 +33,8 @@ PRESET_COST_MODELS = {
     "gemma-3-12b": "h100-gemma-3-12b",
     "qwen3-next-80b-a3b": "h200x2-qwen3-next-80b-a3b",
 }
+# engine.scale_workload.ScaleConfig's bound on scale: 0 < scale < MAX_SCALE.
+MAX_SCALE = 1e4
 # engine.scale_workload.ScaleConfig()'s fields that are flags.
 SCALE = SimpleNamespace(
     preset="llama-3-8b",

@@ -20,7 +20,9 @@ from tiered_kv.cli import preflight, run_defaults
 from tiered_kv.cli.args import (
     add_storage_backend_arguments,
     check_storage_backend,
+    float_in,
     fraction,
+    positive_float,
     positive_int,
 )
 from tiered_kv.cli.observe import add_metrics_arguments, check_metrics_arguments, observed_run
@@ -44,16 +46,10 @@ _D = run_defaults.SCALE  # ScaleConfig()'s, without importing torch to build the
 # What the batched scheduler serves: full attention, sliding-window and hybrid-linear caches
 # (SERVED: the presets of these kinds).
 SERVED_KINDS = (ModelKind.MHA, ModelKind.MLA, ModelKind.DSA, ModelKind.SWA, ModelKind.HYBRID_LINEAR)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+# ScaleConfig's ranges, checked by the parser: a bad value is refused naming its flag (not the
+# field), before the engine (and torch) is imported.
+_scale = float_in(0, run_defaults.MAX_SCALE, high_in=False)
+_open_fraction = float_in(0, 1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     by_scale = ", ".join(f"{p} {v:g}" for p, v in PRESET_SCALES.items())
     w.add_argument(
         "--scale",
-        type=_positive_float,
+        type=_scale,
         default=None,
         help=f"None: the preset's ({by_scale}; else 1)",
     )
@@ -79,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--page-size", type=positive_int, default=_D.page_size)
     c.add_argument("--chunk-tokens", type=positive_int, default=_D.chunk_tokens)
     c.add_argument("--max-running", type=positive_int, default=_D.max_running)
-    c.add_argument("--device-fraction", type=_positive_float, default=_D.device_fraction)
-    c.add_argument("--host-fraction", type=_positive_float, default=_D.host_fraction)
+    c.add_argument("--device-fraction", type=_open_fraction, default=_D.device_fraction)
+    c.add_argument("--host-fraction", type=_open_fraction, default=_D.host_fraction)
     c.add_argument(
         "--verify-fraction",
         type=fraction,
@@ -107,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(COST_MODELS),
         help=f"None: the preset's own ({by_preset})",
     )
-    m.add_argument("--pcie-gbps", type=_positive_float, default=run_defaults.PCIE_GBPS)
-    m.add_argument("--disk-gbps", type=_positive_float, default=run_defaults.DISK_GBPS)
+    m.add_argument("--pcie-gbps", type=positive_float, default=run_defaults.PCIE_GBPS)
+    m.add_argument("--disk-gbps", type=positive_float, default=run_defaults.DISK_GBPS)
 
 
 def config_of(args: argparse.Namespace) -> ScaleConfig:

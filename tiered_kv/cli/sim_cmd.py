@@ -15,10 +15,18 @@ run shows host hits.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
-from tiered_kv.cli.args import capacity_list, name_list, non_negative_int, positive_int
+from tiered_kv.cli import preflight
+from tiered_kv.cli.args import (
+    capacity_list,
+    name_list,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from tiered_kv.cli.report import table, write_json
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.names import EvictionPolicyName, WritePolicy
@@ -58,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="0.05,0.1,0.25,0.5",
         help="device capacities: fractions of the unique blocks, or block counts",
     )
-    p.add_argument("--host-ratio", type=float, default=2.0, help="host capacity / device")
+    p.add_argument(
+        "--host-ratio", type=non_negative_float, default=2.0, help="host capacity / device"
+    )
     p.add_argument(
         "--storage",
         type=float,
@@ -106,9 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.host_ratio < 0:
-        parser.error(f"--host-ratio {args.host_ratio} must be >= 0")
-    if args.storage < 0 or (args.storage > 1 and args.storage != int(args.storage)):
+    s = args.storage
+    if not math.isfinite(s) or s < 0 or (s > 1 and s != int(s)):
         parser.error(f"--storage {args.storage}: 0, a fraction in (0, 1], or a block count")
     if args.storage and not args.host_ratio:
         parser.error("--storage needs a host tier (--host-ratio > 0)")
@@ -121,12 +130,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--plot {args.plot}: cannot write there (is {parent} a writable folder?)")
         if os.path.exists(args.plot) and not os.access(args.plot, os.W_OK):
             parser.error(f"--plot {args.plot}: the file exists and is not writable")
-    if args.trace:
-        try:
-            with open(args.trace, "rb"):
-                pass
-        except OSError as exc:
-            parser.error(f"--trace {args.trace}: {exc.strerror or exc}")
+    if args.trace:  # readable, and text (not binary, not compressed)
+        preflight.check_trace_file("sim", "--trace", args.trace)
 
 
 def sweep(*args, **kwargs):

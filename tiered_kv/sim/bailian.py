@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.sim.traces import TraceRequest
+from tiered_kv.sim.traces import TraceRequest, jsonl_lines
 
 TYPES = ("text", "image", "search", "file")
 FIELDS = (
@@ -96,21 +96,19 @@ def _record(row, where: str, seen: dict[int, int]) -> BailianRecord:
 
 def read_bailian(path: str | Path) -> list[BailianRecord]:
     """Every record of a Bailian JSONL file, in file order (blank lines skipped). Raises
-    :class:`InvalidArgumentError` naming the file, the line and the bad field; returns nothing
-    on a failure, and fails on a file with no requests."""
+    :class:`InvalidArgumentError` naming the file, the line and the bad field (or the byte, for
+    a line that is not UTF-8); returns nothing on a failure, and fails on a file with no
+    requests."""
     out: list[BailianRecord] = []
     seen: dict[int, int] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}: not a Bailian trace line"
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"{where} ({exc})") from None
-            out.append(_record(row, where, seen))
-            seen[out[-1].chat_id] = n
+    for n, line in jsonl_lines(path):
+        where = f"{path}:{n}: not a Bailian trace line"
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{where} ({exc})") from None
+        out.append(_record(row, where, seen))
+        seen[out[-1].chat_id] = n
     if not out:
         raise InvalidArgumentError(f"{path}: no requests")
     return out
@@ -125,7 +123,7 @@ def load_bailian(path: str | Path) -> list[TraceRequest]:
 def write_bailian(records: list[BailianRecord], path: str | Path) -> None:
     """Write ``records`` as Bailian JSONL, in the given order (:func:`read_bailian` reads them
     back equal; timestamps are written as floats, exactly)."""
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for r in records:
             row = {k: getattr(r, k) for k in FIELDS}
             row["hash_ids"] = list(r.hash_ids)
@@ -134,15 +132,14 @@ def write_bailian(records: list[BailianRecord], path: str | Path) -> None:
 
 def is_bailian(path: str | Path) -> bool:
     """Whether the first non-empty line of ``path`` is a JSON object with a ``chat_id`` (a
-    Bailian trace; otherwise the file is taken for Mooncake's)."""
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    return False
-                return isinstance(row, dict) and "chat_id" in row
+    Bailian trace; otherwise the file is taken for Mooncake's). A first line that is not UTF-8
+    raises :class:`InvalidArgumentError`, as :func:`read_bailian` does."""
+    for _, line in jsonl_lines(path):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(row, dict) and "chat_id" in row
     return False
 
 

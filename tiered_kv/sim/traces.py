@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiered_kv.errors import InvalidArgumentError
 
 REPEAT_MODES = ("random", "tile", "interleave")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -30,35 +32,60 @@ def unique_blocks(trace: list[TraceRequest]) -> int:
     return len({b for r in trace for b in r.blocks})
 
 
+def not_utf8(data: bytes, at: int, offset: int = 0) -> str:
+    """Why a trace file is not text: byte ``at`` of ``data`` (its bytes from ``offset``) is not
+    UTF-8. Names that byte and its offset in the file (or says the file is gzip-compressed), and
+    the fix."""
+    if offset == 0 and data.startswith(GZIP_MAGIC):
+        return "not UTF-8 text but gzip-compressed; decompress it first (gunzip)"
+    return f"not UTF-8 text (byte {data[at]:#04x} at offset {offset + at}); a trace is JSONL text"
+
+
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL file with their numbers (from 1), decoded as UTF-8 (JSON's
+    encoding, whatever the locale's). Raises :class:`InvalidArgumentError` naming the file and
+    the line at the first that is not UTF-8 (a binary or compressed file); an ``OSError``
+    (no such file) passes through."""
+    offset = 0
+    with open(path, "rb") as f:
+        # Lines split on b"\n", which is never part of a longer UTF-8 character.
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgumentError(
+                    f"{path}:{n}: {not_utf8(raw, exc.start, offset)}"
+                ) from None
+            offset += len(raw)
+            if line.strip():
+                yield n, line
+
+
 def load_mooncake(path: str | Path) -> list[TraceRequest]:
     """Mooncake JSONL: one object per line with ``timestamp``, ``input_length``,
-    ``output_length`` and ``hash_ids``. Raises naming the line for a malformed one."""
+    ``output_length`` and ``hash_ids``. Raises :class:`InvalidArgumentError` naming the line
+    for a malformed one (or one that is not UTF-8)."""
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = row["hash_ids"]
-                if not isinstance(ids, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids
-                ):
-                    raise InvalidArgumentError(
-                        f"{path}:{n}: not a Mooncake trace line (hash_ids must be ints)"
-                    )
-                out.append(
-                    TraceRequest(
-                        tuple(ids),
-                        float(row.get("timestamp", 0)),
-                        int(row.get("output_length", 0)),
-                        int(row.get("input_length", 0)),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as exc:
+    for n, line in jsonl_lines(path):
+        try:
+            row = json.loads(line)
+            ids = row["hash_ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
                 raise InvalidArgumentError(
-                    f"{path}:{n}: not a Mooncake trace line ({exc})"
-                ) from None
+                    f"{path}:{n}: not a Mooncake trace line (hash_ids must be ints)"
+                )
+            out.append(
+                TraceRequest(
+                    tuple(ids),
+                    float(row.get("timestamp", 0)),
+                    int(row.get("output_length", 0)),
+                    int(row.get("input_length", 0)),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"{path}:{n}: not a Mooncake trace line ({exc})") from None
     if not out:
         raise InvalidArgumentError(f"{path}: no requests")
     return out
