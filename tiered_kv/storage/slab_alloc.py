@@ -11,6 +11,8 @@ transaction would overwrite a page that is still mapped if that transaction abor
 writes the rest in its next transaction.
 
 A full disk is a failed ``fallocate``: counted, and treated like a full budget (evict, reuse).
+A slot the index holds free with blocks may have none (a transaction gave them back, then
+aborted): its write fails on a full disk, and ``lose_blocks`` makes it a hole.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ class SlabAllocator:
                 pass
         for slot in out.filled:
             self.slab.release(slot)
+
+    def lose_blocks(self, txn: lmdb.Transaction, slots: list[int]) -> None:
+        """Slots of this file that could not be written for want of disk blocks become holes
+        (their partial blocks given back, their charge dropped)."""
+        for slot in slots:
+            self.slab.release(slot)
+        self.books.put_free(txn, self.fp, slots, HOLE)
+        self.books.add_used(txn, -len(slots) * self.slab.slot_bytes)
 
     # -- growth -------------------------------------------------------------------------------
     def _room(self, txn: lmdb.Transaction, pending: int) -> int:

@@ -10,10 +10,23 @@ back blocks that writers allocated and never committed (a crash, an abort): ever
 cut to its high-water mark and its holes are punched again. After ``fork`` the child drops the
 inherited environment and descriptors and opens its own. ``intact`` notices a directory removed
 or replaced under an open store (the data file's inode changed).
+
+**The index reserve.** LMDB never changes a page in place: a commit writes its new copy of every
+page it touched into a page of its free list or, when none can be reused, past the file's last
+page. Without ``writemap`` ``data.mdb`` is sparse, so those pages needed new disk blocks, and on a
+disk another file had filled, the commit of the very transaction that evicted pages to make room
+failed (ENOSPC; EIO for a short write), its evictions rolled back with it and the store never
+stored again. So before each write transaction ``data.mdb`` is kept allocated through
+``INDEX_RESERVE`` bytes past LMDB's last page (``fallocate``, only when that page moved): a commit
+on a full disk writes into blocks the file already has, and at the budget LMDB reuses its free
+pages, so the reserve is rarely touched. A reserve the full disk cannot refill is counted once
+(``reserve index: ENOSPC``); ``write`` says in ``out_of_space`` when a transaction failed for want
+of space, so the store can retry it smaller.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 from dataclasses import dataclass, field
@@ -21,7 +34,7 @@ from pathlib import Path
 
 import lmdb
 
-from tiered_kv.storage import lmdb_env
+from tiered_kv.storage import lmdb_env, map_file
 from tiered_kv.storage.contract import StorageStats
 from tiered_kv.storage.lmdb_env import StorageOpenError
 from tiered_kv.storage.slab_books import SlabBooks
@@ -29,6 +42,11 @@ from tiered_kv.storage.slab_file import SlabFile
 
 SLABS = "slabs"
 READER_CHECK_S = 1.0  # a reader killed in any process stops others' writes at most this long
+# Disk blocks data.mdb keeps allocated past LMDB's last page (64 pages of 4 KiB). Measured at the
+# budget, a set of 16 pages moves the last page by 44-71 pages while a reader pins LMDB's free
+# list, by 0-3 (256 pages: 0-11) while LMDB reuses it; bigger sets on a full disk are cut smaller.
+INDEX_RESERVE = 256 << 10
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EIO)
 
 
 @dataclass
@@ -41,6 +59,14 @@ class Pending:
 
 def count_os_error(stats: StorageStats, what: str, exc: OSError) -> None:
     stats.count_error(f"{what}: {errno.errorcode.get(exc.errno or 0, type(exc).__name__)}")
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` may say the disk (or the quota) is full: ENOSPC, EDQUOT, or the EIO LMDB
+    reports for a short write (a file system with room for part of a page)."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, lmdb.Error) and getattr(exc, "code", 0) in _NO_SPACE
 
 
 def recover(txn: lmdb.Transaction, books: SlabBooks, slab_of) -> None:
@@ -110,6 +136,9 @@ class SlabEnv:
                     )
                 self.books.register(txn, self.fp, self.slab.slot_bytes)
                 recover(txn, self.books, self.slab_of)
+            self._psize, self._reserved_to = self.env.stat()["psize"], 0
+            self.index_short = self.out_of_space = False
+            self.keep_index_reserve(whole=True)  # short on a full disk: the first write counts it
         except (lmdb.Error, OSError, StorageOpenError) as exc:
             self.close_files()
             lmdb_env.release(self.shared)
@@ -151,6 +180,30 @@ class SlabEnv:
         self._open()
         return True
 
+    def keep_index_reserve(self, whole: bool = False) -> int:
+        """Allocate the blocks of ``data.mdb`` through ``INDEX_RESERVE`` bytes past LMDB's last
+        page (the file's tail only, unless ``whole``). 0, or the errno that left the reserve
+        short (ENOSPC: the disk is full; a file system without ``fallocate`` keeps none)."""
+        try:
+            end = (self.env.info()["last_pgno"] + 1) * self._psize + INDEX_RESERVE
+        except lmdb.Error:
+            return 0
+        if end <= self._reserved_to and not whole:  # the file never shrinks: still there
+            return 0
+        try:
+            fd = os.open(self.data_file, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        try:
+            start = 0 if whole else os.fstat(fd).st_size  # LMDB wrote every page below it
+            if start < end and map_file._libc.fallocate(fd, 0, start, end - start) != 0:
+                err = ctypes.get_errno() or errno.EIO
+                return 0 if err in map_file.UNSUPPORTED else err
+            self._reserved_to = max(start, end)
+            return 0
+        finally:
+            os.close(fd)
+
     def intact(self) -> bool:
         return lmdb_env.inode(self.data_file) == self.shared.inode
 
@@ -184,6 +237,10 @@ class SlabEnv:
         errors are counted in ``stats``. LMDB or disk trouble is counted and returns None (the
         transaction aborted: nothing it did to the index stays)."""
         self.shared.clear_stale_readers(READER_CHECK_S)
+        err = self.keep_index_reserve()
+        if err and not self.index_short:  # once each time the disk fills under the index
+            stats.count_error(f"reserve index: {errno.errorcode.get(err, err)}")
+        self.index_short, self.out_of_space = bool(err), False
         for _ in range(8):
             pending = Pending()
             try:
@@ -193,6 +250,7 @@ class SlabEnv:
                 self.shared.adopt()
                 continue
             except (lmdb.Error, OSError) as exc:
+                self.out_of_space = no_space(exc)
                 for err in pending.errors:
                     stats.count_error(err)
                 if isinstance(exc, OSError):

@@ -141,6 +141,17 @@ class SlabFile:
             hasher.update(part)
         return hasher.intdigest()
 
+    def write_if_room(self, slot: int, page: memoryview) -> int | None:
+        """``write``, or None where the disk had no block for the slot (ENOSPC, EDQUOT: a free
+        slot whose blocks were given back by a transaction that then aborted). Other errors
+        raise."""
+        try:
+            return self.write(slot, page)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return None
+            raise
+
     def _finish_write(self, iov: list, done: int, offset: int) -> None:
         rest = b"".join(bytes(v) for v in iov)[done:]
         while rest:

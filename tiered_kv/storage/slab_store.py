@@ -13,8 +13,12 @@ that raced a reuse of the slot gets a checksum miss, never another page's bytes.
 The budget covers the slots' disk blocks, ``ENTRY_COST`` per page and ``FREE_COST`` per free-slot
 record, plus the LMDB files (``BASE_COST``); the oldest pages of any namespace are evicted to
 stay under it, and other namespaces' free slots give their blocks back. A full disk is a failed
-``fallocate``: counted, never a signal. Several processes may share the directory (allocation
-happens inside LMDB's write lock); a store used after ``fork`` reopens everything in the child.
+``fallocate``: counted, never a signal; the set evicts, commits, and its next transaction writes
+into the freed slots. That commit needs no new disk blocks (``slab_env``'s index reserve); a
+transaction that still fails for want of space is retried with half its pages (``_store_all``),
+and a free slot that lost its blocks becomes a hole instead of failing every set. Several
+processes may share the directory (allocation happens inside LMDB's write lock); a store used
+after ``fork`` reopens everything in the child.
 Reads refresh recency as ``LMDBStorage``'s do (in memory, written with the next write).
 """
 
@@ -35,14 +39,23 @@ from tiered_kv.storage.io_threads import check_io_threads, shared_map
 from tiered_kv.storage.keys import FINGERPRINT_BYTES, StorageNamespace
 from tiered_kv.storage.slab_alloc import SlabAllocator
 from tiered_kv.storage.slab_books import ENTRY_COST
-from tiered_kv.storage.slab_env import Pending, SlabEnv, count_os_error
+from tiered_kv.storage.slab_env import INDEX_RESERVE, Pending, SlabEnv, count_os_error
 from tiered_kv.storage.slab_file import slot_bytes_for
 from tiered_kv.storage.slab_reads import deliver, drop_if_unchanged, read_plan
 
 INDEX_BASE = 256 << 10  # the index's fixed part: meta and root pages, LMDB's own free list
-BASE_COST = map_file.LOCK_BYTES + INDEX_BASE
+BASE_COST = map_file.LOCK_BYTES + INDEX_BASE + INDEX_RESERVE
 _FLUSH_EVERY = 256
 _SET_TRANSACTIONS = 3  # a set at the budget writes into what its previous transaction evicted
+UNCAP_FREE = 4 * INDEX_RESERVE  # free bytes on the file system that end a full disk's small sets
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def min_budget(page_nbytes: int) -> int:
@@ -81,6 +94,7 @@ class SlabStorage(BookedStorage):
         self._io_threads = check_io_threads(io_threads)
         self._stats = StorageStats(budget_bytes=budget_bytes)
         self._touched: dict[bytes, None] = {}
+        self._txn_pages: int | None = None  # pages per set transaction while the disk is full
         self._files: SlabEnv | None = None
         self._lock = threading.RLock()
         self._open()
@@ -114,6 +128,24 @@ class SlabStorage(BookedStorage):
         touched, self._touched = self._touched, {}
         if touched:
             self._books.refresh(txn, touched)
+
+    def _flush_recency(self) -> None:
+        """Write the recency of pages read since the last write, in parts of ``_txn_pages``
+        while a full disk keeps transactions small (halved like a set's on a failed commit)."""
+        touched, self._touched = list(self._touched), {}
+        while touched:
+            part = touched[: self._txn_pages or len(touched)]
+
+            def refresh(txn: lmdb.Transaction, _: Pending, part=part) -> bool:
+                self._books.refresh(txn, part)
+                return True
+
+            if self._write(refresh, "recency"):
+                touched = touched[len(part) :]
+            elif self._files.out_of_space and len(part) > 1:
+                self._txn_pages = len(part) // 2
+            else:
+                return
 
     def _free(self, txn: lmdb.Transaction, freed: dict[bytes, list[int]]) -> None:
         for fp, slots in freed.items():
@@ -173,7 +205,7 @@ class SlabStorage(BookedStorage):
                     "delete corrupt",
                 )
             if len(self._touched) >= _FLUSH_EVERY:
-                self._write(self._flush_touched, "recency")
+                self._flush_recency()
         return out
 
     @lmdb_env.absorbs_lmdb_errors(lambda store, keys, *rest: [False] * len(keys))
@@ -197,24 +229,9 @@ class SlabStorage(BookedStorage):
         first: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
-        done: set[int] = set()
         with self._lock:
             self._stats.sets += n
-            todo, evicted = list(first.values()), 0
-            for _ in range(_SET_TRANSACTIONS):
-                got = self._write(
-                    lambda txn, p, todo=todo: self._store(txn, p, keys, pages, todo, page_view),
-                    "batch_set",
-                )
-                if got is None:
-                    break
-                stored, refreshed, ev = got
-                self._stats.existing_refreshed += len(refreshed)
-                done.update(stored, refreshed)
-                todo = [i for i in todo if i not in done]
-                evicted += ev
-                if not todo or not ev:
-                    break
+            done, evicted = self._store_all(list(first.values()), keys, pages, page_view)
             out = [first[k] in done for k in keys]
             self._stats.existing_refreshed += sum(
                 1 for i, k in enumerate(keys) if first[k] != i and out[i]
@@ -225,6 +242,44 @@ class SlabStorage(BookedStorage):
                 out = [o and t for o, t in zip(out, there, strict=True)]
             self._stats.set_skipped += out.count(False)
             return out
+
+    def _store_all(self, todo, keys, pages, page_view) -> tuple[set[int], int]:
+        """Store the pages ``todo`` (indices into ``keys``) in parts of at most ``_txn_pages``
+        (all of them unless a full disk failed a commit), each in up to ``_SET_TRANSACTIONS``
+        transactions. A transaction that failed for want of disk space (its commit needed index
+        pages the full disk does not have) is retried with half as many pages, and later sets
+        keep that size until the file system has ``UNCAP_FREE`` bytes free. Returns the indices
+        stored or refreshed and the pages evicted."""
+        if self._txn_pages is not None:
+            if _free_bytes(self.path) >= UNCAP_FREE:
+                self._txn_pages = None
+            else:  # not in the set's own transactions, which stay small
+                self._flush_recency()
+        done: set[int] = set()
+        evicted = 0
+        while todo:
+            cap = self._txn_pages or len(todo)
+            part, todo = todo[:cap], todo[cap:]
+            for _ in range(_SET_TRANSACTIONS):
+                got = self._write(
+                    lambda txn, p, part=part: self._store(txn, p, keys, pages, part, page_view),
+                    "batch_set",
+                )
+                if got is None:
+                    break
+                stored, refreshed, ev = got
+                self._stats.existing_refreshed += len(refreshed)
+                done.update(stored, refreshed)
+                part = [i for i in part if i not in done]
+                evicted += ev
+                if not part or not ev:
+                    break
+            if got is None:
+                if not self._files.out_of_space or len(part) <= 1:
+                    break  # the rest is skipped (and counted by the caller)
+                self._txn_pages = len(part) // 2
+                todo = part + todo
+        return done, evicted
 
     def _store(self, txn, pending: Pending, keys, pages, todo, page_view):
         """One transaction of a set: refresh present keys, hand out slots for as many of the
@@ -240,7 +295,7 @@ class SlabStorage(BookedStorage):
         slab = self._files.slab
         try:
             sums = shared_map(
-                lambda pair: slab.write(pair[1], page_view(pages[pair[0]])),
+                lambda pair: slab.write_if_room(pair[1], page_view(pages[pair[0]])),
                 pairs,
                 self._io_threads,
             )
@@ -249,6 +304,12 @@ class SlabStorage(BookedStorage):
         except BaseException:
             self._alloc.undo_blocks(alloc)  # under the write lock still: nobody grew since
             raise
+        lost = [slot for (_, slot), csum in zip(pairs, sums, strict=True) if csum is None]
+        if lost:  # free slots whose blocks an aborted transaction gave back, on a full disk
+            self._alloc.lose_blocks(txn, lost)
+            pending.errors.append("write slab: ENOSPC")
+            kept = [(pair, c) for pair, c in zip(pairs, sums, strict=True) if c is not None]
+            pairs, sums = [pair for pair, _ in kept], [c for _, c in kept]
         fp = self.namespace.fingerprint
         for (i, slot), csum in zip(pairs, sums, strict=True):
             view = page_view(pages[i])
@@ -289,8 +350,7 @@ class SlabStorage(BookedStorage):
     def flush(self) -> None:
         """Write pending recency refreshes, and sync the slab and the index to disk."""
         with self._lock:
-            if self._touched:
-                self._write(self._flush_touched, "recency")
+            self._flush_recency()
             files = self._here()
             try:
                 files.slab.sync()
