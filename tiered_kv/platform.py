@@ -106,8 +106,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'"
         ) from exc
     if dev.type == "cuda" and not cuda_available():
+        why = "torch was built without it" if torch.version.cuda is None else "no GPU is visible"
         raise BackendUnavailableError(
-            f"device {device!r} requested but CUDA is not available in this process; use 'cpu'"
+            f"device {device!r} requested but CUDA is not available in this process ({why}); "
+            "the devices here: 'cpu'"
         )
     if dev.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"device {device!r} is not supported; use 'cpu' or 'cuda'")

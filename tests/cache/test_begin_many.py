@@ -21,7 +21,7 @@ from tests.cache.test_facade import (
     make_cache,
     make_prompts,
 )
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.names import Direction
 
 __all__ = ["make_cache"]  # the fixture, imported for pytest
@@ -135,7 +135,7 @@ def test_a_failed_batch_load_fails_every_request_in_it(make_cache, gen, monkeypa
     reqs = cache.begin_many(prompts)
     cache.drain()
     assert sorted(calls) == [0, 1, 2]  # one job: one copy per layer for both loads
-    with pytest.raises(RuntimeError, match="copy failed"):
+    with pytest.raises(TransferError, match="copy failed"):
         model.check(reqs[0])  # the forward hits the copy's error
     for r in reqs[:2]:
         with pytest.raises(StateError, match="load of this request's prefix failed"):

@@ -21,7 +21,7 @@ from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.metrics import RequestHits
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.device.dsa_pool import quantize_index_k
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.storage import SlabStorage, value_format
 from tiered_kv.storage.keys import page_keys
 
@@ -489,7 +489,7 @@ def test_failed_host_load_is_never_served_later(make_cache, gen, monkeypatch):
     cache, model, a, real = host_only_prefix_with_failing_loads(make_cache, gen, monkeypatch)
     req = cache.begin(a)
     assert req.hits.host == 20
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TransferError, match="copy failed"):
         cache.device_pool.get_key_buffer(0)  # the failure surfaces to the model
     monkeypatch.setattr(cache.host_pool, "load_to_device_per_layer", real)
     cache.finish(req)  # the serving loop gives the request up
@@ -1194,7 +1194,7 @@ def test_a_poll_before_the_forward_does_not_hide_a_failed_load(make_cache, gen, 
     assert req.hits.host == 20
     cache.drain()
     cache.poll()  # the failure is acknowledged now
-    with pytest.raises(RuntimeError, match="copy failed"):
+    with pytest.raises(TransferError, match="copy failed"):
         cache.device_pool.get_key_buffer(0)  # the forward still hits it
     with pytest.raises(StateError, match="load of this request's prefix failed"):
         cache.prepare_forward(req)

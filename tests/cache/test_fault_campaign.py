@@ -303,12 +303,11 @@ class Campaign:
         hit its prefix load's copy error (the caller aborts the request)."""
         req = live.req
         self.model.identity = live.extra
-        # What a reader of a failed load hits: the injected error, or (faults in engine jobs)
-        # the engine's refusal of a layer.
-        failed_load = (InjectedCopyFault, TransferError) if self.engine else InjectedCopyFault
+        # What a reader of a failed load hits, whether the copy method raised (the injected
+        # error, its cause) or the copy engine refused a layer: one TransferError.
         try:
             k, v = self.model.read(req.slots[:end])
-        except failed_load:
+        except TransferError:
             self.n["forward_failed"] += 1
             return False
         ek, ev = self.model.expected(req.tokens, 0, end)

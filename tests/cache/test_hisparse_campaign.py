@@ -44,7 +44,7 @@ from tests.cache.test_fault_campaign import (
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.hisparse_serving import HiSparseServing, SparseRequest
 from tiered_kv.device.dsa_pool import dequantize_index_k
-from tiered_kv.errors import StateError
+from tiered_kv.errors import StateError, TransferError
 from tiered_kv.host.layer_rows import LayerRowLoader
 from tiered_kv.names import IOBackend, WritePolicy
 
@@ -318,7 +318,7 @@ class SparseCampaign:
         try:
             cache.prepare_forward(req)
             self.model.compute(req, prompt[req.prefix_len :])
-        except (StateError, InjectedCopyFault):
+        except (StateError, TransferError):  # the failed load, acknowledged or read
             self.n["dense_failed"] += 1
             cache.abort(req)
             return

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from tiered_kv.errors import InvalidArgumentError, TieredKVError
-from tiered_kv.storage import LMDBStorage, StorageNamespace, StorageOpenError, page_keys
+from tiered_kv.storage import (
+    LMDBStorage,
+    SlabStorage,
+    StorageNamespace,
+    StorageOpenError,
+    page_keys,
+)
 
 from ._util import (
     LAYOUTS,
@@ -199,6 +205,68 @@ def test_read_only_directory_raises_open_error(tmp_path, ns, host, layout):
                 open_layout(layout, path, ns, host.page_nbytes, budget_bytes=BUDGET)
     finally:
         ro.chmod(0o700)
+
+
+MIX_NBYTES = 3 * 4096 + 40
+
+
+def _open_lmdb_over(path: str, result_path: str) -> None:
+    """In a fresh process: open LMDBStorage on ``path`` and write a page there if it opens;
+    what happened goes to ``result_path``."""
+    ns = byte_namespace(MIX_NBYTES)
+    try:
+        store = LMDBStorage(path, ns, MIX_NBYTES, budget_bytes=BUDGET)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        result = f"{type(exc).__name__}: {exc}"
+    else:
+        src = ByteSource(MIX_NBYTES, 1)
+        fill_for_keys(src, [raw_key(ns, "lmdb")], [0])
+        result = f"opened, wrote {store.batch_set([raw_key(ns, 'lmdb')], src, [0])}"
+        store.close()
+    with open(result_path, "w") as f:
+        f.write(result)
+
+
+@pytest.mark.parametrize("where", ["new_process", "slab_closed", "slab_open"])
+def test_a_slab_directory_is_refused_before_anything_is_written(tmp_path, where):
+    """Issue 38: LMDBStorage over a slab-layout store refuses it (as SlabStorage refuses an
+    lmdb-layout one) before writing there: the slab store's pages stay readable, exactly."""
+    path, ns = tmp_path / "s", byte_namespace(MIX_NBYTES)
+    keys = [raw_key(ns, f"k{i}") for i in range(6)]
+    src = ByteSource(MIX_NBYTES, 6)
+    fill_for_keys(src, keys, range(6))
+    slab = SlabStorage(path, ns, MIX_NBYTES, budget_bytes=BUDGET)
+    assert slab.batch_set(keys, src, list(range(6))) == [True] * 6
+    if where != "slab_open":
+        slab.close()
+    files = {f.name: f.stat().st_size for f in path.rglob("*") if f.is_file()}
+    try:
+        if where == "new_process":
+            child = mp.get_context("spawn").Process(
+                target=_open_lmdb_over, args=(str(path), str(tmp_path / "result"))
+            )
+            child.start()
+            child.join(60)
+            assert child.exitcode == 0
+            text = (tmp_path / "result").read_text()
+            assert text.startswith("StorageOpenError: "), text
+        else:
+            with pytest.raises(StorageOpenError) as info:
+                LMDBStorage(path, ns, MIX_NBYTES, budget_bytes=BUDGET)
+            text = str(info.value)
+        assert str(path) in text and "slab layout" in text and "storage_layout='slab'" in text
+        assert {f.name: f.stat().st_size for f in path.rglob("*") if f.is_file()} == files
+    finally:
+        if where == "slab_open":
+            slab.close()
+    out = ByteSource(MIX_NBYTES, 6)
+    out.buf.random_(0, 256)  # fresh bytes where the pages come back
+    again = SlabStorage(path, ns, MIX_NBYTES, budget_bytes=BUDGET)
+    try:
+        assert again.batch_get(keys, out, list(range(6))) == [True] * 6
+        assert torch.equal(out.buf, src.buf)
+    finally:
+        again.close()
 
 
 def test_two_namespaces_open_at_once_in_one_process(tmp_path, host, ns, layout):

@@ -36,7 +36,7 @@ from tests.transfer._util import (
     token_bytes,
     wait_for,
 )
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, TransferError
 from tiered_kv.names import Direction
 from tiered_kv.storage import MemoryStorage, StorageNamespace
 from tiered_kv.transfer import DeviceHostTransfer, HostStorageTransfer, TransferJob
@@ -510,14 +510,14 @@ def test_a_failed_layer_copy_fails_the_load_and_later_loads_still_succeed(
     slot = ctl.load_slot(1)
     assert counter.consumer_is(slot)
     assert ctl.wait([1]) is True
-    with pytest.raises(OSError, match="copy lost"):  # until polled, readers hit the error
+    with pytest.raises(TransferError, match="copy lost"):  # until polled, readers hit the error
         pool.get_key_buffer(bad_layer)
     (r,) = ctl.poll()
     assert (r.job_id, r.ok, r.nbytes) == (1, False, 0)
     # Acknowledged, it stays the consumer: a poll before the forward must not hide the failure
     # (issue 12); the next load (or the next request begun) becomes the consumer.
     assert counter.consumer_is(slot)
-    with pytest.raises(OSError, match="copy lost"):
+    with pytest.raises(TransferError, match="copy lost"):
         pool.get_key_buffer(bad_layer)
     s = ctl.stats.snapshot()["host_to_device"]
     assert (s.ops, s.failed_ops, s.bytes) == (1, 1, 0)

@@ -6,6 +6,7 @@ Data is random bits everywhere (never zeros) and every comparison is bit-exact (
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -29,7 +30,7 @@ from tests.transfer._util import (
     token_bytes,
     wait_for,
 )
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, TransferError
 from tiered_kv.names import Direction
 from tiered_kv.storage import MemoryStorage, StorageNamespace
 from tiered_kv.transfer import DeviceHostTransfer, HostStorageTransfer, TransferJob
@@ -203,9 +204,57 @@ def test_load_of_a_failing_layer_is_reported_failed(gen, monkeypatch):
         # (a poll before the forward must not hide the failure, issue 12); layers that did land
         # still read exactly.
         assert ctl.layer_done_counter.consumer == ctl.layer_done_counter.producer
-        with pytest.raises(OSError, match="layer 2 copy lost"):
+        with pytest.raises(TransferError, match="layer 2 copy lost"):
             pool.get_key_buffer(2)
         assert torch.equal(dev_rows(pool.get_key_buffer(3)[d]), host_kv(host, 3, h)[0])
+    finally:
+        ctl.close()
+
+
+class CopyLost(RuntimeError):
+    """A copy's own error, of a type the transfer code has never heard of."""
+
+
+def test_a_failed_load_reads_as_one_transfer_error_on_either_copier(gen, monkeypatch, copier):
+    """Issue 38: the forward's read of a layer whose load failed raises TransferError on the
+    Python copy threads and on the native copy engine alike, the copy's own error as its
+    cause; the layers that landed still read exactly."""
+    pool, alloc, host = _rig(gen, layers=4)
+    bad = int(torch.randint(0, 4, (1,), generator=gen))
+    if copier == "engine":  # the engine refuses that layer of the job
+        real_job = host.row_job
+
+        def row_job(*args, **kwargs):
+            job = real_job(*args, **kwargs)
+            order = job.layers.tolist()
+            order[bad] = job.shape.total_layers
+            return dataclasses.replace(job, shape=job.shape.with_layers(order))
+
+        monkeypatch.setattr(host, "row_job", row_job)
+    else:
+        real = host.load_to_device_per_layer
+
+        def fail_one(device_pool, h, d, layer_id, io_backend="kernel"):
+            if layer_id == bad:
+                raise CopyLost(f"layer {layer_id} copy lost")
+            real(device_pool, h, d, layer_id, io_backend)
+
+        monkeypatch.setattr(host, "load_to_device_per_layer", fail_one)
+    ctl = DeviceHostTransfer(alloc, host)
+    try:
+        h, d = slots(host.alloc, 1, 3, gen), slots(alloc.alloc, 1, 3, gen)
+        assert ctl.submit(TransferJob.load(5, h, d))
+        ctl.wait([5])
+        for read in (pool.get_key_buffer, pool.get_value_buffer):
+            with pytest.raises(TransferError, match=f"layer {bad}") as info:
+                read(bad)
+            cause = info.value.__cause__
+            assert isinstance(cause, CopyLost if copier == "thread" else TransferError), cause
+            assert "abort" in str(info.value)
+        for layer in set(range(4)) - {bad}:
+            assert torch.equal(dev_rows(pool.get_key_buffer(layer)[d]), host_kv(host, layer, h)[0])
+        (r,) = wait_for(ctl.poll)
+        assert brief([r]) == [(5, H2D, False, 0)]
     finally:
         ctl.close()
 

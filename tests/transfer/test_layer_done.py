@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.transfer._util import make_pool
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.transfer.layer_done import LayerDoneCounter
 from tiered_kv.transfer.streams import ThreadEvent
 
@@ -49,7 +49,7 @@ def test_taking_a_busy_slot_raises_and_changes_nothing():
     assert c.producer == 2 and c.consumer == slot
     assert not c.slot_done(0)
     c.wait_until(0)
-    with pytest.raises(RuntimeError, match="layer 4"):
+    with pytest.raises(TransferError, match="layer 4"):
         c.wait_until(4)
     with pytest.raises(StateError):
         c.update_producer()  # still busy
@@ -59,6 +59,30 @@ def test_taking_a_busy_slot_raises_and_changes_nothing():
     # Taking the slot cleared its events: the failed layer-4 event is gone.
     c.wait_until(4)
     assert c.slot_done(0)
+
+
+class CopyLost(OSError):
+    """A copy's own error, of a type the counter has never heard of."""
+
+
+@pytest.mark.parametrize(
+    "error", [CopyLost(5, "layer 2 copy lost"), TransferError("native copier refused layer 2")]
+)
+def test_a_failed_layer_waits_as_a_transfer_error_whatever_the_copy_raised(error):
+    """Issue 38: one typed error for a failed load's readers, the copy's own as its cause."""
+    c = LayerDoneCounter(3, num_slots=2)
+    slot = c.update_producer()
+    events = [ThreadEvent(done=True), ThreadEvent(done=True), ThreadEvent()]
+    events[2].set(error)
+    c.record_all(slot, events)
+    c.set_consumer(slot)
+    c.wait_until(0)
+    for _ in range(2):  # every reader of the layer, not only the first
+        with pytest.raises(TransferError, match=rf"layer 2 .*slot {slot}.*abort") as info:
+            c.wait_until(2)
+        assert info.value.__cause__ is error
+        assert str(error) in str(info.value)
+    c.wait_until(1)
 
 
 def test_wait_until_waits_for_its_layer_only():

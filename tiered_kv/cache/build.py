@@ -18,6 +18,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from tiered_kv import platform
 from tiered_kv.cache import build_state
 from tiered_kv.cache.load_planner import LoadPlanner, PlannerPriors
 from tiered_kv.cache.manager import CacheManager
@@ -36,7 +37,7 @@ from tiered_kv.device.req_to_token_pool import ReqToTokenPool
 from tiered_kv.device.sizing import request_row_width, resolve_sizing
 from tiered_kv.device.swa_pool import SWAKVPool
 from tiered_kv.device.unified_swa_pool import UnifiedSWAKVPool
-from tiered_kv.errors import HostMemoryError
+from tiered_kv.errors import BackendUnavailableError, HostMemoryError
 from tiered_kv.host.host_kv_cache import HostKVCache, host_pool_for
 from tiered_kv.host.pool_group import HostPoolGroup
 from tiered_kv.names import ModelKind
@@ -142,6 +143,16 @@ def allocator_for(
     )
 
 
+def check_device_present(c: TieredKVConfig) -> None:
+    """Refuse, naming the field, a device this process does not have. A config is data (built,
+    saved and sized anywhere); the cache is where the device must exist, checked before any
+    tensor is allocated (torch's own error would be an AssertionError from deep inside)."""
+    try:
+        platform.resolve_device(c.device.device)
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(f"TieredKVConfig.device={c.device.device!r}: {exc}") from None
+
+
 def check_device_fits(c: TieredKVConfig) -> None:
     """Refuse, naming the field, a device pool or request table this machine cannot hold
     (instead of an untyped allocation error from torch half way through the build)."""
@@ -184,6 +195,7 @@ def check_device_fits(c: TieredKVConfig) -> None:
 
 def build_cache_parts(c: TieredKVConfig) -> CacheParts:
     d, h, s, p = c.device, c.host, c.storage, c.policies
+    check_device_present(c)
     check_device_fits(c)
     hybrid = c.geometry.model == ModelKind.HYBRID_LINEAR
     if hybrid:  # the request rows own the recurrent state, the KV pool its full layers

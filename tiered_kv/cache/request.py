@@ -73,10 +73,26 @@ def prompt_ids(tokens, max_context_len: int) -> list[int]:
     return tokens
 
 
+BATCH_ARGS = {  # what a batch call's argument must be, for its error message
+    "prompts": "pass a list of prompts, each a sequence of token ids (begin takes one)",
+    "reqs": "pass a list of requests (finish takes one)",
+    "extra_keys": "pass a list of one extra key (None, str or bytes) per prompt, or None",
+}
+
+
+def batch_list(call: str, name: str, value) -> list:
+    """``value`` (a list, tuple or other iterable) as a list, checked before anything changes:
+    None, a str or bytes, a lone Request or anything not iterable is refused, naming ``call``,
+    ``name`` and the value, then what to pass instead (``BATCH_ARGS[name]``)."""
+    if isinstance(value, (str, bytes, Request)) or not hasattr(value, "__iter__"):
+        raise InvalidArgumentError(f"{call} got {name}={value!r:.60}; {BATCH_ARGS[name]}")
+    return list(value)
+
+
 def batch_identities(n: int, extra_keys) -> tuple[list, list[bytes]]:
     """The extra keys of a batch of ``n`` prompts (None: none for any) and their chain priors,
     checked before anything changes: one key (or None) per prompt."""
-    keys = [None] * n if extra_keys is None else list(extra_keys)
+    keys = [None] * n if extra_keys is None else batch_list("begin_many", "extra_keys", extra_keys)
     if len(keys) != n:
         raise InvalidArgumentError(
             f"begin_many got {n} prompts and {len(keys)} extra keys; pass one extra key (or "

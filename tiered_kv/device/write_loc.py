@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tiered_kv._checks import check_index_tensor
+from tiered_kv._checks import as_index_tensor, check_index_tensor, check_range
 from tiered_kv.errors import InvalidArgumentError
 
 
@@ -89,16 +89,37 @@ def write_loc_is_physical(loc_info: KVWriteLoc | torch.Tensor) -> bool:
     return isinstance(loc_info, KVWriteLoc) and loc_info.physical
 
 
-def write_loc_of(allocator: Any, pool: Any, slots: torch.Tensor) -> KVWriteLoc:
+def write_loc_of(allocator: Any, pool: Any, slots: object) -> KVWriteLoc:
     """The write loc of ``slots``, ids as ``allocator`` hands them out: its physical plan where
     ``pool`` takes physical locs only (virtual ids: a unified sliding-window pool), the device
     slots of logical ids (a HiSparse allocator's), else the slots themselves with their window
-    slots where the allocator has a full -> window table."""
+    slots where the allocator has a full -> window table.
+
+    ``slots``: a 1-D integer tensor, or a numpy integer array or sequence of ints (made an int64
+    tensor on the pool's device). Ids that index a table here are checked against it first
+    where that is free (CPU tensors, converted sequences) or the pool is in debug mode, as the
+    pools and the plan check theirs. Raises InvalidArgumentError naming a bad value."""
+    converted = not isinstance(slots, torch.Tensor)
+    slots = as_index_tensor("slots", slots, torch.device("cpu"))
+    check = slots.device.type == "cpu" or getattr(pool, "debug_mode", False)
+    if converted:
+        slots = slots.to(pool.device)
     ids = slots.to(torch.int64)
     to_device = getattr(allocator, "logical_to_device", None)
     if to_device is not None:  # HiSparse: logical ids, their device rows through the table
+        _check_ids(ids, to_device, check)
         return KVWriteLoc(to_device[ids])
     if pool.requires_physical_write_loc:
         return allocator.plan(ids)
     to_window = getattr(allocator, "translate_loc_from_full_to_swa", None)
-    return KVWriteLoc(slots, swa_loc=to_window(ids) if to_window is not None else None)
+    if to_window is None:
+        return KVWriteLoc(slots)
+    _check_ids(ids, allocator.full_to_swa_index_mapping, check)
+    return KVWriteLoc(slots, swa_loc=to_window(ids))
+
+
+def _check_ids(ids: torch.Tensor, table: torch.Tensor, check: bool) -> None:
+    # Indexing would wrap a negative id, or fail untyped past the end; the table's last entry
+    # is a -1 sentinel (for a last_loc of -1), never a slot's.
+    if check:
+        check_range("slots", ids, 0, table.shape[0] - 1)

@@ -35,6 +35,7 @@ from tiered_kv.storage.keys import StorageNamespace
 from tiered_kv.storage.lmdb_books import Books
 from tiered_kv.storage.lmdb_copy import ChecksumsAhead, deliver
 from tiered_kv.storage.lmdb_env import StorageOpenError, record_cost
+from tiered_kv.storage.slab_env import SLABS
 
 _MIN_MAP = 32 << 20
 _FLUSH_EVERY = 256
@@ -86,6 +87,8 @@ class LMDBStorage(BookedStorage):
 
     # -- environment --------------------------------------------------------------------------
     def _open(self) -> None:
+        if (self.path / SLABS).is_dir():  # refused before LMDB adds databases to a slab index
+            raise StorageOpenError(f"{self.path} holds the slab layout: use storage_layout='slab'")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

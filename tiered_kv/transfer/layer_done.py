@@ -4,9 +4,10 @@ run while layer i+1 is still copying.
 A load batch takes a *producer slot* (``update_producer``) and records one event per layer in
 it; the forward pass that consumes that batch names the slot (``set_consumer``), and the device
 pool's ``get_key_buffer(layer)`` / ``get_value_buffer(layer)`` call ``wait_until(layer)``, which
-waits for that layer's event only (on CUDA a GPU-side wait, on CPU a host wait). Several slots
-rotate so that the next batch can be loaded while the current one runs (overlap scheduling);
-taking a slot whose copies have not all finished is an error, not a silent overwrite.
+waits for that layer's event only (on CUDA a GPU-side wait, on CPU a host wait); a layer whose
+copy failed raises TransferError there, whichever copier ran it. Several slots rotate so that
+the next batch can be loaded while the current one runs (overlap scheduling); taking a slot
+whose copies have not all finished is an error, not a silent overwrite.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from tiered_kv._checks import check_positive_int
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.transfer.streams import CopyEvent
 
 
@@ -105,14 +106,25 @@ class LayerDoneCounter:
         self._consumer = slot
 
     def wait_until(self, layer: int) -> None:
-        """Wait until ``layer`` (local index) of the consumer's batch is loaded."""
+        """Wait until ``layer`` (local index) of the consumer's batch is loaded. Raises
+        TransferError, with the copy's own error as its ``__cause__``, when that layer's copy
+        failed, whichever copier ran it (copy thread, CUDA stream, native copy engine): the
+        slots hold no (or partly copied) KV, and every reader of the layer gets the error."""
         self._check_layer(layer)
         slot = self._consumer
         if slot is None:
             return
         event = self._events[slot][layer]
-        if event is not None:
+        if event is None:
+            return
+        try:
             event.wait()
+        except Exception as exc:
+            raise TransferError(
+                f"the host -> device load of local layer {layer} (layer-done slot {slot}) "
+                f"failed: {exc}; abort the requests of this forward (their prefix slots do not "
+                "hold their KV) and begin them again"
+            ) from exc
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
