@@ -35,6 +35,12 @@ class StateError(TieredKVError):
     """A call came in the wrong order (e.g. free_group_end without free_group_begin)."""
 
 
+class LivenessError(StateError):
+    """A scheduler step had nothing running and admitted nothing while requests waited and no
+    copy was in flight: a request that could run was parked (a bug: the counts are in the
+    message). Raised in a scheduler's debug mode; otherwise counted as a stall."""
+
+
 class StorageClosedError(StateError):
     """A call on a page store after its ``close()`` (closing again is fine): open a new store."""
 

@@ -121,7 +121,7 @@ def random_workload(cache, model, seed: int, steps: int):
     cfg = SchedulerConfig(
         chunk_size=16, max_prefill_tokens=32, max_running=6, policy=rng.choice(
             ("fcfs", "cache_aware")
-        ), max_wait_steps=20, record_logits=True,
+        ), max_wait_steps=20, record_logits=True, debug=True,
     )  # fmt: skip
     sched = Scheduler(cache, model, cfg)
     systems = [[rng.randrange(1, 128) for _ in range(rng.choice((8, 16, 24, 40)))] for _ in "abc"]

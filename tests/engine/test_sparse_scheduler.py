@@ -26,7 +26,7 @@ from tiered_kv.engine.batch_state import ReqState, SchedulerConfig
 from tiered_kv.engine.dsa import DenseDSAKV, DSAModelConfig
 from tiered_kv.engine.hisparse_model import SparseDSA
 from tiered_kv.engine.sparse_scheduler import SparseScheduler
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, LivenessError
 from tiered_kv.host.layer_rows import LayerRowLoader
 
 PAGE = 4
@@ -96,7 +96,9 @@ def slots_add_up(sched: SparseScheduler) -> None:
 def random_workload(cache, seed: int, steps: int) -> SparseScheduler:
     rng = random.Random(seed)
     serving = HiSparseServing(cache, BUFFER)
-    cfg = SchedulerConfig(chunk_size=16, max_prefill_tokens=48, max_running=4, record_logits=True)
+    cfg = SchedulerConfig(
+        chunk_size=16, max_prefill_tokens=48, max_running=4, record_logits=True, debug=True
+    )
     sched = SparseScheduler(serving, MODEL, cfg)
     systems = [[rng.randrange(1, 128) for _ in range(rng.choice((8, 16, 27, 40)))] for _ in "ab"]
     for _ in range(steps):
@@ -158,5 +160,25 @@ def test_a_request_that_cannot_fit_is_refused_by_name(tmp_path):
             SparseScheduler(HiSparseServing(cache, BUFFER), object(), SchedulerConfig(16))
         with pytest.raises(InvalidArgumentError, match="buffer"):
             SparseScheduler(HiSparseServing(cache, 192), MODEL, SchedulerConfig(16))
+    finally:
+        cache.close()
+
+
+def test_a_sparse_step_that_admits_nothing_alone_is_a_stall(tmp_path, monkeypatch):
+    """Issue 38: nothing runs and the head's begin finds no room after all (a stand-in for a
+    leaked slot): LivenessError at once in debug mode, counted every step otherwise."""
+    cache = make_cache(tmp_path, storage_bytes=0)
+    try:
+        serving = HiSparseServing(cache, BUFFER)
+        monkeypatch.setattr(serving, "begin", lambda tokens, extra_key=None: None)
+        debug = SparseScheduler(serving, MODEL, SchedulerConfig(16, debug=True))
+        debug.add([random.randrange(1, 128) for _ in range(13)], 3)
+        with pytest.raises(LivenessError, match="request 0: 13 tokens"):
+            debug.step()
+        quiet = SparseScheduler(serving, MODEL, SchedulerConfig(16))
+        quiet.add([random.randrange(1, 128) for _ in range(13)], 3)
+        for _ in range(2):
+            assert quiet.step().admitted == ()
+        assert quiet.stats.stalls == 2
     finally:
         cache.close()

@@ -57,3 +57,22 @@ def begin_many(
         cache.metrics.hits.add(r.hits)
     cache._follow(reqs)
     return reqs
+
+
+def begin_uncached(
+    cache, prompts: list[list[int]], extra_keys: list, priors: list[bytes]
+) -> list[Request]:
+    """Begin ``prompts`` with no prefix each (``begin_many(cached=False)``): nothing matched,
+    fetched or loaded; on failure the ones begun are aborted."""
+    reqs: list[Request] = []
+    try:
+        for tokens, key, prior in zip(prompts, extra_keys, priors, strict=True):
+            reqs.append(cache._begin_one(tokens, key, prior, cached=False))
+    except BaseException:
+        for r in reqs:
+            cache.abort(r)
+        raise
+    for r in reqs:
+        cache.metrics.hits.add(r.hits)
+    cache._follow(reqs)
+    return reqs

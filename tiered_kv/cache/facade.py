@@ -22,12 +22,14 @@ import threading
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tiered_kv._checks import check_seconds
 from tiered_kv.cache import batch_begin, lifecycle, verify
 from tiered_kv.cache.build import build_cache_parts
 from tiered_kv.cache.prom import cache_registry, register_cache
 from tiered_kv.cache.request import (
     Request,
     batch_identities,
+    batch_list,
     check_rows_free,
     prompt_ids,
     token_ids,
@@ -85,19 +87,25 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         return req
 
     @serialized
-    def begin_many(self, prompts, extra_keys=None) -> list[Request]:
+    def begin_many(self, prompts, extra_keys=None, *, cached: bool = True) -> list[Request]:
         """``begin`` for a batch whose forward runs together: the storage hits of all of them
         are fetched as one storage job (each request's chain stopping at its own first
         missing page; one wait, ``prefetch_wait_s`` of the tokens it reads), the host hits
         loaded back as one layer-wise job (one plan, one wait per layer for the whole batch),
         and the layer waits follow that batch. ``extra_keys``: None, or one per prompt (see
-        ``begin``). Every prompt, key and free request row is checked first."""
+        ``begin``). ``cached=False``: every prompt is begun with no prefix (computed whole,
+        nothing matched, fetched or loaded; a scheduler's last resort). Every prompt, key and
+        free request row is checked first."""
         self._check_open()
-        prompts = [self._prompt(t) for t in prompts]
+        prompts = [self._prompt(t) for t in batch_list("begin_many", "prompts", prompts)]
         extra_keys, priors = batch_identities(len(prompts), extra_keys)
         if not prompts:
             return []
+        if not isinstance(cached, bool):
+            raise InvalidArgumentError(f"cached={cached!r} must be a bool")
         self._check_rows(len(prompts))
+        if not cached:
+            return batch_begin.begin_uncached(self, prompts, extra_keys, priors)
         return batch_begin.begin_many(self, prompts, extra_keys, priors)
 
     def _prompt(self, tokens) -> list[int]:
@@ -107,24 +115,20 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         check_rows_free(n, self.req_to_token.available_size(), self.config.device.max_requests)
 
     def _begin_one(
-        self, tokens: list[int], extra_key=None, prior: bytes = b"", first=None
+        self, tokens: list[int], extra_key=None, prior: bytes = b"", first=None, cached=True
     ) -> Request:
-        """One request's row and grant (``first``: its ``lifecycle.look_many`` look)."""
+        """One request's row and grant (``first``: its ``lifecycle.look_many`` look;
+        ``cached=False``: no prefix)."""
         kv = self.states.alloc_row() if self.states is not None else RequestKV()
         if kv is None or (self.states is None and self.req_to_token.alloc([kv]) is None):
             raise StateError(
                 f"all {self.config.device.max_requests} request rows (or state slots) are in use"
             )
         try:
-            grant = lifecycle.begin(
-                self.manager,
-                tokens[:-1],  # the last prompt token is always computed
-                prompt_tokens=len(tokens),
-                prefetch_threshold=self.config.policies.prefetch_threshold,
-                prefetch_wait=self.config.policies.prefetch_wait_s,
-                prior=prior,
-                plan=None if self.load_planner is None else self.load_planner.plan,
-                first=first,
+            grant = (
+                self._grant(tokens, prior, first)
+                if cached
+                else lifecycle.begin_uncached(self.manager, prompt_tokens=len(tokens), prior=prior)
             )
             if self.states is not None:  # the state at the prefix's end, or a shorter prefix
                 grant = self.states.settle(self.manager, grant, tokens[:-1], kv.mamba_pool_idx)
@@ -144,6 +148,18 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         kv.kv_allocated_len = prefix
         return req
 
+    def _grant(self, tokens: list[int], prior: bytes, first) -> lifecycle.PrefixGrant:
+        return lifecycle.begin(
+            self.manager,
+            tokens[:-1],  # the last prompt token is always computed
+            prompt_tokens=len(tokens),
+            prefetch_threshold=self.config.policies.prefetch_threshold,
+            prefetch_wait=self.config.policies.prefetch_wait_s,
+            prior=prior,
+            plan=None if self.load_planner is None else self.load_planner.plan,
+            first=first,
+        )
+
     @serialized
     def prepare_forward(self, req: Request | list[Request]) -> None:
         """Make the device pool's per-layer waits follow the host -> device loads of ``req``
@@ -151,7 +167,7 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         do this for what they start; call it before the forward pass of earlier-begun
         requests when several are begun before their forwards run. Raises StateError when a
         request's prefix load failed (abort it: its prefix slots do not hold its KV)."""
-        reqs = req if isinstance(req, list) else [req]
+        reqs = list(req) if isinstance(req, (list, tuple)) else [req]
         if not reqs:
             raise InvalidArgumentError("prepare_forward needs a request or a non-empty list")
         for r in reqs:
@@ -241,14 +257,15 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         return self.extend(req, [token])
 
     @serialized
-    def write_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
-        """The model's KV for ``slots`` of global layer ``layer_id``."""
+    def write_kv(self, layer_id: int, slots, k: torch.Tensor, v: torch.Tensor | None):
+        """The model's KV for ``slots`` (``extend``'s, as a 1-D integer tensor or any sequence
+        of ints) of global layer ``layer_id``; a bad one is an InvalidArgumentError, unwritten."""
         # Window layers write at the tokens' window slots; virtual ids through the plan.
         loc = write_loc_of(self.allocator, self.device_pool, slots)
         self.device_pool.set_kv_buffer(layer_id, loc, k, v)
 
     @serialized
-    def write_index_k(self, layer_id: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
+    def write_index_k(self, layer_id: int, slots, index_k: torch.Tensor) -> None:
         """The sparse indexer's keys for ``slots`` of layer ``layer_id`` (DSA pools only)."""
         write = getattr(self.device_pool, "set_index_k_buffer", None)
         if write is None:
@@ -271,7 +288,7 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
         """``finish`` for requests done together: their new pages' write-through copies to
         host go as one job (and, once landed, their backups as one storage job). Every
         request is checked before anything changes."""
-        reqs = list(reqs)
+        reqs = batch_list("finish_many", "reqs", reqs)
         for r in reqs:
             self._check_live(r)
         if len({id(r) for r in reqs}) != len(reqs):
@@ -333,7 +350,7 @@ class TieredKVCache(verify.RestoreChecks):  # + set_verifier, verify_restored
     def drain(self, timeout_s: float = 600.0) -> None:
         """Wait for every copy and backup in flight and acknowledge them. Raises StateError
         naming what is still in flight if that takes longer than ``timeout_s``."""
-        self.manager.drain(timeout_s)
+        self.manager.drain(check_seconds("timeout_s", timeout_s))
 
     @serialized
     def free_sizes(self) -> dict[str, int]:

@@ -101,6 +101,17 @@ def begin(
     return PrefixGrant(node, slots, hits, load_slot, prior)
 
 
+def begin_uncached(manager: CacheManager, *, prompt_tokens: int, prior: bytes = b"") -> PrefixGrant:
+    """A grant of no prefix: the request computes every token, whatever the tiers hold (a
+    scheduler's last resort for a request that must run alone; its whole pages are inserted
+    at ``finish`` like any other's, duplicates freed). Nothing is matched, moved or counted
+    as a hit; the identity's root is locked like any grant's node."""
+    m = manager.match_prefix([], check_storage=False, count_hit=False, prior=prior)
+    manager.inc_lock_ref(m.last_node)
+    hits = RequestHits(prompt_tokens, 0, 0, 0, prompt_tokens)
+    return PrefixGrant(m.last_node, m.device_indices, hits, None, prior)
+
+
 @dataclass
 class FirstLook:
     """``begin``'s first look at a request's prefix: the match (cut per the plan), the hits so

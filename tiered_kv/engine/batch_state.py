@@ -45,7 +45,9 @@ class SchedulerConfig:
     this many more tokens with a running request's than it has cached waits for that one to
     finish and cache them instead of computing them twice (None: ``chunk_size``; 0: never; the
     starvation bound overrides it). ``record_logits``: keep the logits that chose every output
-    token (for verification)."""
+    token (for verification). ``debug``: a stall (a step with nothing running and nothing
+    admitted though no copy was in flight: a bug, see ``engine.liveness``) raises
+    ``LivenessError`` at once instead of being counted in ``SchedulerStats.stalls``."""
 
     chunk_size: int = 64
     max_prefill_tokens: int | None = None
@@ -57,6 +59,7 @@ class SchedulerConfig:
     storage_weight: float = 0.25
     defer_shared_tokens: int | None = None
     record_logits: bool = False
+    debug: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("chunk_size", self.chunk_size)
@@ -74,8 +77,9 @@ class SchedulerConfig:
             number = isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
             if not number or not 0 <= w <= 1:
                 raise InvalidArgumentError(f"{name}={w!r} is invalid; expected a number 0..1")
-        if not isinstance(self.record_logits, bool):
-            raise InvalidArgumentError(f"record_logits={self.record_logits!r} must be a bool")
+        for name in ("record_logits", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name}={getattr(self, name)!r} must be a bool")
 
     def check_against(self, page_size: int, max_requests: int) -> None:
         """The fields that depend on the cache: whole-page chunks, a row per running request."""
@@ -173,6 +177,13 @@ class SchedulerStats:
     # nothing ran and the queue's head did not fit while copies in flight held pages: the
     # step waited for them instead of spinning
     idle_waits: int = 0
+    # nothing ran, nothing was admitted and no copy was in flight: a liveness bug, counted
+    # (``SchedulerConfig.debug`` raises instead)
+    stalls: int = 0
+    # the head of the queue admitted alone with no prefix: neither its cached prefix with its
+    # host part nor its device part alone fitted beside what that prefix locks (its
+    # prefix is computed instead)
+    uncached_admissions: int = 0
     draft_trees: int = 0  # speculative decoding: draft trees allocated
     draft_pages: int = 0  # and their pages
     prompt_tokens: int = 0  # over first admissions

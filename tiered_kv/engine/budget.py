@@ -105,12 +105,6 @@ class Budget:
         peak = self.window_peak(self.chunk_size, len(r.prompt) + r.max_new_tokens - device)
         return Need(full, host + peak)  # tombstones loaded back give theirs back at once
 
-    def beyond_window_pool(self, need: Need) -> bool:
-        """Whether ``need`` takes more window slots than the whole window pool has."""
-        if self.window is None:
-            return False
-        return self.paged(need.window) > self.cache.allocator.swa_attn_allocator.size
-
     # -- what is reachable ----------------------------------------------------------------------
     def fits(self, need: Need, locking: int = 0) -> bool:
         """Whether ``need`` fits in the free pages plus what eviction could free, after
@@ -126,6 +120,22 @@ class Budget:
             return True
         reach = alloc.swa_available_size() + self.window.evictable_tokens(tree) - locking
         return self.paged(need.window) <= max(0, reach) // ps * ps
+
+    def describe(self, need: Need) -> str:
+        """``need`` against what is reachable, on every side (for a stall's message)."""
+        tree, alloc = self.cache.tree, self.cache.allocator
+        free = self._full_free() if self._full_free is not None else alloc.available_size()
+        text = (
+            f"needs {self.paged(need.full)} full-side tokens, {free} free + "
+            f"{tree.evictable_device_tokens} evictable"
+        )
+        if self.window is not None:
+            text += (
+                f"; needs {self.paged(need.window)} window slots, "
+                f"{alloc.swa_available_size()} free + "
+                f"{self.window.evictable_tokens(tree)} evictable"
+            )
+        return text
 
     def state_room(self, requests: int) -> bool:
         """Whether ``requests`` running requests fit the state slots (always, without state)."""

@@ -17,6 +17,14 @@ is chunk-aligned deterministic: every logit is the no-cache run's, bit for bit, 
 request was split or retracted. Sliding-window and hybrid-linear caches are budgeted on their
 window and state sides too (``budget.Budget``); a hybrid forward reports its page boundaries
 (``track_state``) so retracted requests resume from a state snapshot.
+
+Liveness: when nothing runs, the head of the queue is admitted (``add`` refuses, with
+InvalidArgumentError, a request that could not run alone in an empty device pool). Alone, it
+takes the cheapest form that fits: its cached prefix with the host part loaded back, else its
+device part only (the host part computed), else no prefix at all (``begin_many(cached=False)``:
+what an empty pool always has room for, once the copies in flight have landed). A step that
+admits nothing while nothing runs and no copy is in flight is a stall (``engine.liveness``):
+LivenessError with the numbers under ``SchedulerConfig.debug``, else counted and logged.
 """
 
 from __future__ import annotations
@@ -28,39 +36,23 @@ import torch
 from tiered_kv._checks import check_positive_int
 from tiered_kv.cache import TieredKVCache
 from tiered_kv.cache.request import token_ids
+from tiered_kv.engine.admission import Admission
 from tiered_kv.engine.batch_state import (
     EngineRequest,
     ReqState,
     SchedulerConfig,
     SchedulerStats,
     StepResult,
-    admission_order,
-    shared_len,
 )
 from tiered_kv.engine.budget import Budget, Need
 from tiered_kv.engine.draft_tree import DraftTrees
 from tiered_kv.engine.model import TinyLlama
-from tiered_kv.engine.prefix_probe import CachedPrefix, cached_prefix
 from tiered_kv.engine.serve import PagedKV
-from tiered_kv.errors import InvalidArgumentError, StateError
+from tiered_kv.errors import InvalidArgumentError, StateError, TransferError
 from tiered_kv.storage.keys import extra_key_prior
 
-IDLE_WAIT_S = 10.0  # at most this long per idle step for copies in flight
 
-
-def wait_for_copies(cache: TieredKVCache, stats: SchedulerStats) -> None:
-    """An idle step of a scheduler whose next request does not fit: if copies in flight hold
-    pages (a write to host locks its nodes until it lands), wait for them (at most
-    ``IDLE_WAIT_S``, counted in ``stats.idle_waits``) rather than spin idle steps (a step
-    budget would run out before a slow copy lands)."""
-    if not cache.manager.pending_ops():
-        return
-    stats.idle_waits += 1
-    cache.manager.wait_all(IDLE_WAIT_S)
-    cache.poll()
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, cache: TieredKVCache, model: TinyLlama, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise InvalidArgumentError(
@@ -84,6 +76,7 @@ class Scheduler:
         self._next_id = self._seq = 0  # request ids; admission order (the newest is retracted)
         self._kv: dict[int, PagedKV] = {}
         self._finishing: list = []  # cache requests done this phase, finished together
+        self._escalate: int | None = None  # a request whose next admission takes no prefix
 
     # -- public -------------------------------------------------------------------------------
     def add(
@@ -158,90 +151,6 @@ class Scheduler:
     def _fits(self, need: Need, locking: int = 0) -> bool:
         return self.budget.fits(need, locking)
 
-    # -- admission ----------------------------------------------------------------------------
-    def _order(self) -> list[EngineRequest]:
-        probe_store = self.config.storage_weight > 0
-
-        def cached(w: EngineRequest) -> CachedPrefix:
-            tokens = (w.prompt + w.output)[:-1]
-            return cached_prefix(self.cache, tokens, storage=probe_store, prior=w.prior)
-
-        return admission_order(self.waiting, self.step_count, self.config, cached)
-
-    def _admit(self) -> tuple[int, ...]:
-        """Choose what fits (predicted from the cached prefixes), begin them together (one
-        layer-wise load job for all their host hits), then check each again with the prefix
-        its begin really locked: one that no longer fits (a load failed, or another's load
-        evicted its device prefix) and every one after it go back to the queue, unbegun."""
-        chosen: list[tuple[EngineRequest, list[int]]] = []
-        committed = self._claims() + Need(self.reserve * len(self.running))
-        base, locking, budget = committed, 0, self.budget
-        for w in self._order():
-            running = len(self.running) + len(chosen)
-            if running >= self.config.max_running or not budget.state_room(running + 1):
-                break
-            tokens = w.prompt + w.output
-            device, host, _, unlocked = cached_prefix(self.cache, tokens[:-1], prior=w.prior)
-            same = [t for c, t in chosen if c.prior == w.prior]  # only its identity's pages
-            if self._defer(w, tokens, device + host, same):
-                continue
-            need = budget.admission(w, len(tokens), device, host) + Need(self.reserve)
-            if not self.running and not chosen and budget.beyond_window_pool(need):
-                # Its host hit alone would take more window slots than the pool has: it could
-                # never be admitted. Alone on the device, its load back takes what the window
-                # pool has (or its host part is computed); nothing else's claim is at stake.
-                need = budget.admission(w, len(tokens), device, 0) + Need(self.reserve)
-            if not self._fits(need + committed, locking=locking + unlocked):
-                break  # no skipping: the head waits for room (nothing starves behind it)
-            chosen.append((w, tokens))
-            committed, locking = committed + need, locking + unlocked
-        if not chosen:
-            self._wait_if_idle()
-            return ()
-        reqs = self.cache.begin_many(
-            [tokens for _, tokens in chosen], extra_keys=[w.extra_key for w, _ in chosen]
-        )
-        admitted, committed, full = [], base, False
-        for (w, tokens), req in zip(chosen, reqs, strict=True):
-            need = self.budget.admission(w, len(tokens), req.prefix_len, 0) + Need(self.reserve)
-            full = full or not self._fits(need + committed)
-            if full:
-                self.stats.admission_recheck_failed += 1
-                self.cache.abort(req)
-                continue
-            committed += need
-            w.target, w.cache_req = tokens, req
-            self.waiting.remove(w)
-            self.running.append(w)
-            self._kv[w.rid] = PagedKV(self.cache, req, self.model.embed.dtype)
-            w.state = ReqState.RUNNING
-            w.admit_seq, self._seq = self._seq, self._seq + 1
-            if w.admit_step is None:
-                w.admit_step = self.step_count
-                w.cached_tokens = req.prefix_len
-                self.stats.prompt_tokens += len(tokens)
-                self.stats.cached_tokens += req.prefix_len
-            else:
-                w.resumed_cached.append(req.prefix_len)
-            self.stats.admitted += 1
-            admitted.append(w.rid)
-        return tuple(admitted)
-
-    def _wait_if_idle(self) -> None:
-        """Nothing runs and the head of the queue does not fit: wait for the copies in flight."""
-        if not self.running and self.waiting:
-            wait_for_copies(self.cache, self.stats)
-
-    def _defer(self, w: EngineRequest, tokens: list[int], cached: int, chosen: list) -> bool:
-        """Whether ``w`` should wait for a running request (or one chosen in this step) to
-        cache what they share."""
-        threshold = self.config.defer_threshold
-        if not threshold or self.step_count - w.queued_step >= self.config.max_wait_steps:
-            return False
-        ahead = [r.target for r in self.running if r.prior == w.prior] + chosen
-        shared = max((shared_len(tokens, t, self.page_size) for t in ahead), default=0)
-        return shared - cached >= threshold
-
     # -- prefill and decode -------------------------------------------------------------------
     def _forward(self, r: EngineRequest, tokens: list[int]) -> torch.Tensor | None:
         """Allocate ``tokens``' slots for ``r`` and run them; the last row's logits. None when
@@ -266,9 +175,9 @@ class Scheduler:
             logits = self.model.forward(
                 torch.tensor(tokens), start, self._kv[r.rid], self.page_size, **extra
             )
-        except Exception:
-            # A layer of its prefix load failed under the forward (the layer wait raised the
-            # copy's error): its prefix slots do not hold its KV. Anything else is a bug.
+        except TransferError:
+            # A layer of its prefix load failed under the forward (the layer wait raises
+            # TransferError): its prefix slots do not hold its KV.
             cache.drain()  # the failed load's result arrives once its last layer is done
             if not cache.manager.holds_stale(req.node):
                 raise

@@ -36,7 +36,7 @@ from tiered_kv.engine.batch_state import (
     StepResult,
 )
 from tiered_kv.engine.hisparse_model import SparseDSA, StagedKV, SwapInFailed, SwapKV
-from tiered_kv.engine.scheduler import wait_for_copies
+from tiered_kv.engine.liveness import stalled, wait_for_copies
 from tiered_kv.errors import InvalidArgumentError, StateError
 from tiered_kv.storage.keys import extra_key_prior
 
@@ -158,6 +158,28 @@ class SparseScheduler:
 
     # -- admission and prefill ------------------------------------------------------------------
     def _admit(self) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        """``_admit_fitting``; when nothing runs and nothing was admitted, wait for the copies
+        in flight (they hold host and device pages) and try once more: a step that still
+        admits nothing is a stall (``engine.liveness``)."""
+        result = self._admit_fitting()
+        if result[0] or self.running or not self.waiting:
+            return result
+        if wait_for_copies(self.cache, self.stats):
+            result = self._admit_fitting()
+            if result[0] or self.running:
+                return result
+        w = self.waiting[0]
+        tokens = w.prompt + w.output
+        a, evictable = self.allocator, self.cache.tree.evictable_device_tokens
+        stalled(
+            self.cache, self.stats, self.config.debug,
+            f"request {w.rid}: {len(tokens)} tokens, staging {self._paged(len(tokens))} of "
+            f"{a.device_available_size()} free + {evictable} evictable device slots, life "
+            f"{self._life(w)} of {a.logical_available_size()} free logical slots",
+        )  # fmt: skip
+        return result
+
+    def _admit_fitting(self) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
         """Admit again what was prefilled but not admitted; then begin and prefill waiting
         requests while they fit (the step's prefill budget, at least one)."""
         for r in [r for r in self.running if r.cache_req.swapper is None]:
@@ -169,11 +191,9 @@ class SparseScheduler:
             if prefilled and prefilled + len(tokens) > budget:
                 break
             if not self._fits(tokens, w):
-                self._wait_if_idle()
                 break  # the head waits for room (nothing starves behind it)
             req = self.serving.begin(tokens, w.extra_key)
             if req is None:  # host or device short after all: wait for a finish
-                self._wait_if_idle()
                 break
             self.waiting.pop(0)
             w.cache_req, w.target, w.state = req, tokens, ReqState.RUNNING
@@ -194,12 +214,6 @@ class SparseScheduler:
             if w.cache_req is not None and self._emit(w, logits[-1]):
                 done.append(w.rid)
         return tuple(admitted), prefilled, tuple(done)
-
-    def _wait_if_idle(self) -> None:
-        """Nothing runs and the head could not begin: wait for copies in flight (they hold
-        host and device pages) rather than spin idle steps."""
-        if not self.running:
-            wait_for_copies(self.cache, self.stats)
 
     def _try_admit(self, r: EngineRequest) -> None:
         if self.serving.admit(r.cache_req):
