@@ -38,3 +38,23 @@ def _bailian(n: int) -> str:
         {"chat_id": n, "parent_chat_id": -1, "timestamp": n, "input_length": 32,
          "output_length": 4, "type": "text", "turn": 1, "hash_ids": [n, n + 1]}
     )  # fmt: skip
+
+
+def test_sim_capacities_beyond_the_trace_are_capped_not_a_crash(tmp_path):
+    """A block count or host ratio far beyond the trace (1e18 blocks, ratio 1.7e308) used to end
+    in MemoryError / OverflowError in the tier's free list: a tier holding every unique block
+    never evicts, so it is capped there and the run reports what it used."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(_bailian(n) for n in range(40)) + "\n")
+    out = tmp_path / "sim.json"
+    args = ["sim", "--no-progress", "--jobs", "1", "--policies", "lru", "--trace", str(trace)]
+    done = tiered_kv(
+        *args, "--capacities", "1e18", "--host-ratio", "1.7e308", "--storage", "1e17",
+        "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    report = json.loads(out.read_text())
+    unique = report["unique_blocks"]
+    row = report["rows"][0]
+    assert row["device_blocks"] == unique and row["host_blocks"] == unique, row

@@ -69,7 +69,10 @@ def effective_blocks(device: int, host: int, storage: int, write_policy: str) ->
 
 
 def _blocks(value: float, unique: int) -> int:
-    return max(1, int(value) if value > 1 else int(round(value * unique)))
+    """A capacity (a fraction of the unique blocks, or a block count) in blocks, at most the
+    unique blocks: a tier that holds every block never evicts, so more changes no hit, and a
+    count like 1e18 would only make the tier's free list exhaust memory."""
+    return min(max(1, unique), max(1, int(value) if value > 1 else int(round(value * unique))))
 
 
 def row_specs(
@@ -87,7 +90,8 @@ def row_specs(
         device = _blocks(cap, unique)
         for policy in policies:
             hp = policy if host_policy == "same" else host_policy
-            host = int(device * host_ratio)
+            host = device * host_ratio  # a float: 1e300 x blocks may be inf
+            host = unique if host >= unique else int(host)  # as _blocks: no more than it all
             specs.append(RowSpec(cap, policy, hp, device, host, storage_blocks, write_policy))
     return specs
 
