@@ -367,13 +367,12 @@ def _child(spec_path: str, out_path: str) -> None:
         model=spec["model"],
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
-        enforce_eager=True,
         block_size=spec["block_size"],
         enable_prefix_caching=spec["enable_prefix_caching"],
         kv_transfer_config=None if kv is None else KVTransferConfig(**kv),
         seed=0,
         disable_log_stats=False,
-        **spec["engine_args"],
+        **{"enforce_eager": True, **spec["engine_args"]},  # pipeline parallel needs it off
     )
     ready = time.perf_counter()
     params = SamplingParams(

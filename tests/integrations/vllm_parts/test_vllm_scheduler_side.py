@@ -9,7 +9,7 @@ import pytest
 
 from tiered_kv.errors import StateError, StorageOpenError
 from tiered_kv.integrations.vllm.block_layout import describe_layers
-from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.metadata import BlockPages, RankReport, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide, request_identity
 from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
 from tiered_kv.integrations.vllm.settings import read_settings
@@ -271,8 +271,9 @@ def test_scheduler_tiers_mirror_the_host_and_read_the_store(tmp_path, gen):
         assert not sched.ready and sched.lookup(d) == (0, 0)
 
         def report():
+            changes = tiers.slots.take_changes()
             return TieredKVWorkerMeta(
-                tiers.namespace, layout.page_nbytes, tiers.slots.take_changes()
+                {None: RankReport(tiers.namespace, layout.page_nbytes, changes)}
             )
 
         def save(blocks, digests):
@@ -280,7 +281,7 @@ def test_scheduler_tiers_mirror_the_host_and_read_the_store(tmp_path, gen):
 
         save([1, 2, 3], d[:3])
         sched.apply(report())
-        assert sched.ready and sched.namespace == tiers.namespace
+        assert sched.ready and sched.namespaces == {None: tiers.namespace}
         for chain in (d, d[:2], d[1:], d[3:]):
             assert sched.lookup(chain) == tiers.lookup(chain)
         assert sched.lookup(d) == (3, 0)
@@ -296,21 +297,76 @@ def test_scheduler_tiers_mirror_the_host_and_read_the_store(tmp_path, gen):
         tiers.close()
 
 
-def test_worker_reports_aggregate_and_must_agree(tmp_path, gen):
+def test_worker_reports_aggregate_by_rank_and_a_rank_must_agree(tmp_path, gen):
     caches, _ = make_caches("LBHNC", [0], 5, 1, BS, 8, gen)
     layout = describe_layers(caches, 5)
-    ns = layout.namespace(model="m@1", rank=None, tenant=None, kv_scales=None)
-    other = layout.namespace(model="m@2", rank=None, tenant=None, kv_scales=None)
-    a = TieredKVWorkerMeta(ns, 64, [(True, b"x" * 32)])
-    b = TieredKVWorkerMeta(ns, 64, [(False, b"x" * 32), (True, b"y" * 32)])
-    assert a.aggregate(b).changes == a.changes + b.changes
-    with pytest.raises(ValueError, match="different namespaces"):
-        a.aggregate(TieredKVWorkerMeta(other, 64, []))
+    ns = layout.namespace(model="m@1", rank="tp0of2-pp0of1", tenant=None, kv_scales=None)
+    ns1 = layout.namespace(model="m@1", rank="tp1of2-pp0of1", tenant=None, kv_scales=None)
+    other = layout.namespace(model="m@2", rank="tp0of2-pp0of1", tenant=None, kv_scales=None)
+    a = TieredKVWorkerMeta({"r0": RankReport(ns, 64, [(True, b"x" * 32)])})
+    b = TieredKVWorkerMeta({"r0": RankReport(ns, 64, [(False, b"x" * 32), (True, b"y" * 32)])})
+    c = TieredKVWorkerMeta({"r1": RankReport(ns1, 64, [(True, b"z" * 32)])})
+    merged = a.aggregate(b).aggregate(c)
+    assert merged.ranks["r0"].changes == a.ranks["r0"].changes + b.ranks["r0"].changes
+    assert merged.ranks["r1"] == c.ranks["r1"]
+    assert list(a.ranks["r0"].changes) == [(True, b"x" * 32)]  # the inputs stay as they were
+    with pytest.raises(ValueError, match="two namespaces"):
+        a.aggregate(TieredKVWorkerMeta({"r0": RankReport(other, 64, [])}))
+    sched = SchedulerTiers(_settings(tmp_path), world_size=2)
+    try:
+        sched.apply(merged)
+        with pytest.raises(ValueError, match="changed its namespace"):
+            sched.apply(TieredKVWorkerMeta({"r1": RankReport(other, 64, [])}))
+    finally:
+        sched.close()
     sched = SchedulerTiers(_settings(tmp_path))
+    bad = layout.namespace(model="m", rank=None, tenant=None, kv_scales=None)
     with pytest.raises(StorageOpenError, match="model"):
-        sched.apply(
-            TieredKVWorkerMeta(
-                layout.namespace(model="m", rank=None, tenant=None, kv_scales=None), 64, []
-            )
-        )
+        sched.apply(TieredKVWorkerMeta({None: RankReport(bad, 64, [])}))
     assert not sched.ready
+
+
+def test_a_page_counts_only_where_every_rank_holds_it(tmp_path, gen):
+    """Two ranks' tiers (their shards: one KV head each) over one store: the scheduler waits for
+    both reports, and offers a page only where both hold it, host or store, whichever."""
+    settings = _settings(tmp_path)
+    ranks = {}
+    for r in range(2):
+        caches, _ = make_caches("LBHNC", [0, 1], 9, 1, BS, 8, gen)
+        layout = describe_layers(caches, 9)
+        ranks[f"tp{r}of2-pp0of1"] = ConnectorTiers(settings, layout, rank=f"tp{r}of2-pp0of1")
+    sched = SchedulerTiers(settings, world_size=2)
+    try:
+        r0, r1 = ranks.values()
+        assert r0.namespace != r1.namespace
+        req = Request("r", tokens(gen, 8 * BS))
+        d = digests_of(req, BS)
+
+        def report(name):
+            t = ranks[name]
+            changes = t.slots.take_changes()
+            return TieredKVWorkerMeta(
+                {name: RankReport(t.namespace, t.layout.page_nbytes, changes)}
+            )
+
+        def save(t, blocks, digests):
+            t.finish_save(t.begin_save(blocks, digests)).result()
+
+        save(r0, [1, 2, 3, 4, 5], d[:5])
+        save(r1, [1, 2, 3], d[:3])
+        first, second = ranks
+        sched.apply(report(first))
+        assert not sched.ready and sched.lookup(d) == (0, 0)  # rank 1 has not reported
+        sched.apply(report(second))
+        assert sched.ready and sched.lookup(d) == (3, 0)  # rank 1 lacks pages 3 and 4
+        save(r1, [6, 7, 8], d[3:6])  # rank 1's host now evicts nothing yet (3 of its slots)
+        merged = report(first).aggregate(report(second))
+        sched.apply(merged)
+        host, store = sched.lookup(d)
+        assert host + store == 5  # rank 0 holds five, rank 1 six
+        assert host == min(r0.lookup(d)[0], r1.lookup(d)[0])
+        assert sched.lookup(d[5:]) == (0, 0)  # only rank 1 holds page 5: a miss for all
+    finally:
+        sched.close()
+        for t in ranks.values():
+            t.close()

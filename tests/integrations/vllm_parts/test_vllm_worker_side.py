@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiered_kv.integrations.vllm.block_layout import describe_layers
-from tiered_kv.integrations.vllm.metadata import TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
 from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
 from tiered_kv.integrations.vllm.settings import read_settings
@@ -57,9 +57,9 @@ class Pair:
 
     def report(self) -> None:
         self.tiers.drain()
-        meta = TieredKVWorkerMeta(
-            self.tiers.namespace, self.layout.page_nbytes, self.tiers.slots.take_changes()
-        )
+        changes = self.tiers.slots.take_changes()
+        report = RankReport(self.tiers.namespace, self.layout.page_nbytes, changes)
+        meta = TieredKVWorkerMeta({None: report})
         self.sched_tiers.apply(meta)
 
     def forward(self, meta) -> None:

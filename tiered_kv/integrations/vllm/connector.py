@@ -13,8 +13,12 @@ checked at startup and anything the connector cannot store correctly is refused 
 (``check_engine``): a failure policy other than ``recompute`` (a failed load must be recomputed,
 never served or fatal), more than one KV cache group (vLLM's hybrid manager: this connector does
 not implement ``SupportsHMA``, so vLLM turns the hybrid manager off for it), a KV cache spec
-other than full attention or MLA, a quantized KV cache without ``kv_scales_id``, a parallel
-layout with more than one worker per engine. Imports vLLM.
+other than full attention or MLA, a quantized KV cache without ``kv_scales_id``, context
+parallelism, and layer-wise loads under tensor or pipeline parallelism. Under tensor and
+pipeline parallelism each worker rank stores its own shard (its KV heads, its stage's layers)
+under a namespace naming its rank (``parallel_rank``), and the scheduler half offers a page only
+where every rank holds it (``SchedulerTiers``); vLLM counts a load done when every rank has
+reported it, and a block that failed on any rank is recomputed on all. Imports vLLM.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.integrations.vllm.block_layout import describe_layers
-from tiered_kv.integrations.vllm.metadata import TieredKVMetadata, TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVMetadata, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
 from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
 from tiered_kv.integrations.vllm.settings import FLAG, read_settings
@@ -59,12 +63,20 @@ def check_engine(vllm_config, kv_cache_config, settings) -> None:
         )
     pc = vllm_config.parallel_config
     workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
-    if workers != 1:
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(pc, name, 1) != 1:
+            raise InvalidArgumentError(
+                f"{name}={getattr(pc, name)}: TieredKVConnector stores tensor- and pipeline-"
+                "parallel shards, not context-parallel ones (a rank holds part of each block's "
+                "tokens); run without context parallelism"
+            )
+    if workers != 1 and not settings.load_async:
         raise InvalidArgumentError(
-            f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
-            f"{pc.pipeline_parallel_size}: TieredKVConnector runs with one worker per engine "
-            "(each rank would need its own pages, and the scheduler's lookups all of them); "
-            "run one engine per device with data parallelism instead"
+            f"{FLAG}.load_mode='layerwise' with tensor_parallel_size={pc.tensor_parallel_size} "
+            f"x pipeline_parallel_size={pc.pipeline_parallel_size}: a layer-wise load that fails "
+            "on one rank is only known after the forward every rank ran on it, and the other "
+            "ranks would save what it computed; use load_mode='async' (failures are reported "
+            "before the request runs)"
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -89,6 +101,18 @@ def check_engine(vllm_config, kv_cache_config, settings) -> None:
         )
 
 
+def parallel_rank(parallel_config) -> str | None:
+    """This worker's rank as a namespace field: ``tp<r>of<T>-pp<p>of<P>``, or None for the one
+    worker of an engine without tensor or pipeline parallelism (its pages keep the namespace
+    they had before ranks were named). Call after vLLM's distributed init (on a worker)."""
+    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+    if tp * pp == 1:
+        return None
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return f"tp{get_tensor_model_parallel_rank()}of{tp}-pp{get_pp_group().rank_in_group}of{pp}"
+
+
 class TieredKVConnector(KVConnectorBase_V1):
     """vLLM's KV connector over tiered_kv's tiers (see the module docstring)."""
 
@@ -104,11 +128,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         self._cache_dtype = vllm_config.cache_config.cache_dtype
         self._worker: WorkerSide | None = None
+        self._rank: str | None = None  # the worker's rank name (``parallel_rank``)
         self._stats: StatsDelta | None = None
         self._scheduler: SchedulerSide | None = None
         self._sched_tiers: SchedulerTiers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched_tiers = SchedulerTiers(self.settings)
+            pc = vllm_config.parallel_config
+            world = pc.tensor_parallel_size * pc.pipeline_parallel_size
+            self._sched_tiers = SchedulerTiers(self.settings, world_size=world)
             self._stats = StatsDelta(self._sched_tiers.counters)
             self._scheduler = SchedulerSide(
                 self._block_size, self.settings.load_async, self._sched_tiers.lookup, self._ids
@@ -154,12 +181,16 @@ class TieredKVConnector(KVConnectorBase_V1):
                 f"the attention kernel's block size {layout.block_size} differs from vLLM's "
                 f"block size {self._block_size}: pass --block-size {layout.block_size}"
             )
-        tiers = ConnectorTiers(self.settings, layout, rank=None, kv_cache_dtype=self._cache_dtype)
+        self._rank = parallel_rank(self._vllm_config.parallel_config)
+        tiers = ConnectorTiers(
+            self.settings, layout, rank=self._rank, kv_cache_dtype=self._cache_dtype
+        )
         self._worker = WorkerSide(tiers, self.settings.load_async)
         self._stats = StatsDelta(tiers.counters)
         log.info(
-            "TieredKVConnector: %d layers, %s blocks of %d tokens, %d host pages of %d bytes, "
+            "TieredKVConnector%s: %d layers, %s blocks of %d tokens, %d host pages of %d bytes, "
             "store %s",
+            f" rank {self._rank}" if self._rank else "",
             len(layout.layer_ids), layout.layout, layout.block_size, tiers.pages.num_pages,
             layout.page_nbytes, self.settings.storage.storage_backend,
         )  # fmt: skip
@@ -199,7 +230,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             return None
         tiers = self._worker.tiers
         changes = tiers.slots.take_changes()
-        return TieredKVWorkerMeta(tiers.namespace, tiers.layout.page_nbytes, changes)
+        report = RankReport(tiers.namespace, tiers.layout.page_nbytes, changes)
+        return TieredKVWorkerMeta({self._rank: report})
 
     def get_kv_connector_stats(self):
         return self._stats.take() if self._stats is not None else None

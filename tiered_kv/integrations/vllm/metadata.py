@@ -2,10 +2,11 @@
 
 Scheduler -> worker (``TieredKVMetadata``): ``loads``, per request the blocks to fill and the
 pages (chain digests) to fill them with; ``saves``, per request the blocks that became full
-this step and their pages. Worker -> scheduler (``TieredKVWorkerMeta``): the namespace the
-worker's pages live under (so the scheduler opens the same store for its lookups) and the host
-tier's changes since the last step (so it mirrors which pages the host holds). Plain data (vLLM
-pickles it between processes); subclasses of vLLM's classes where vLLM is installed.
+this step and their pages. Worker -> scheduler (``TieredKVWorkerMeta``): per worker rank, the
+namespace its pages live under (so the scheduler opens the same store for its lookups) and its
+host tier's changes since the last step (so it mirrors which pages each rank's host holds).
+Plain data (vLLM pickles it between processes); subclasses of vLLM's classes where vLLM is
+installed.
 """
 
 from __future__ import annotations
@@ -42,12 +43,35 @@ class TieredKVMetadata(_VLLMMetadata):
 
 
 @dataclass
-class TieredKVWorkerMeta(_VLLMWorkerMeta):
+class RankReport:
+    """One worker rank's report: the namespace its pages live under, their size, and its host
+    tier's changes since its last report (``(on the host now, digest)``, in order)."""
+
     namespace: StorageNamespace
     page_nbytes: int
-    changes: list[tuple[bool, bytes]] = field(default_factory=list)  # (on the host now, digest)
+    changes: list[tuple[bool, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class TieredKVWorkerMeta(_VLLMWorkerMeta):
+    """Every rank's report of a step, by rank name (``None``: the one worker of an engine
+    without tensor or pipeline parallelism). vLLM folds the workers' metadata with
+    ``aggregate``."""
+
+    ranks: dict[str | None, RankReport] = field(default_factory=dict)
 
     def aggregate(self, other: TieredKVWorkerMeta) -> TieredKVWorkerMeta:
-        if other.namespace != self.namespace:
-            raise ValueError("workers of one engine report different namespaces")
-        return TieredKVWorkerMeta(self.namespace, self.page_nbytes, self.changes + other.changes)
+        """Both reports' ranks (a rank in both: the same namespace, changes in order). Builds a
+        new report: neither input changes."""
+        ranks = dict(self.ranks)
+        for rank, theirs in other.ranks.items():
+            mine = ranks.get(rank)
+            if mine is None:
+                ranks[rank] = theirs
+                continue
+            if mine.namespace != theirs.namespace:
+                raise ValueError(f"rank {rank!r} reported two namespaces in one step")
+            ranks[rank] = RankReport(
+                mine.namespace, mine.page_nbytes, mine.changes + theirs.changes
+            )
+        return TieredKVWorkerMeta(ranks)

@@ -1,12 +1,15 @@
-"""The scheduler half's view of the tiers: the store opened under the worker's namespace, and a
-mirror of which pages the worker's host tier holds.
+"""The scheduler half's view of the tiers: per worker rank, the store opened under that rank's
+namespace and a mirror of which pages that rank's host tier holds.
 
-vLLM runs the worker in its own process (even with one worker on CPU), so the scheduler half
-cannot read the worker's host tier. The worker reports its namespace and the host tier's
-changes in every step's worker metadata; until the first report, ``ready`` is False (the
-connector answers "ask again" and vLLM steps once). The mirror lags the host tier by a step: a
-page it names may be gone by the load, which then misses and is recomputed, never wrong.
-The store is the worker's store, opened again in this process (every backend allows several
+vLLM runs the workers in their own processes (even one worker on CPU), so the scheduler half
+cannot read a worker's host tier. Each worker reports its namespace and its host tier's changes
+in every step's worker metadata (``RankReport``, one per rank); until every rank of the engine
+(tensor x pipeline parallel) has reported, ``ready`` is False (the connector answers "ask again"
+and vLLM steps once). A page counts as held only if **every** rank holds its shard of it (on
+its host tier or in the store under its own namespace): a page one rank lacks is a miss for all,
+as vLLM computes a token on every rank or on none. The mirror lags the host tier by a step: a
+page it names may be gone by the load, which then fails and is recomputed, never wrong. The
+store is the workers' store, opened again in this process (every backend allows several
 processes: the embedded store's LMDB index is multi-process, Redis and Mooncake are servers).
 """
 
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from tiered_kv.integrations.vllm.metadata import TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.settings import ConnectorSettings
 from tiered_kv.integrations.vllm.tiers import TierCounters
 from tiered_kv.storage.backends import open_backend
@@ -23,49 +27,76 @@ from tiered_kv.storage.guarded_store import GuardedStorage
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 
 
-class SchedulerTiers:
-    def __init__(self, settings: ConnectorSettings) -> None:
-        self.settings = settings
-        self.namespace: StorageNamespace | None = None
-        self.store: GuardedStorage | None = None
-        self._on_host: set[bytes] = set()
-        self.counters = TierCounters()  # the lookups; the worker counts the rest
+@dataclass
+class _RankView:
+    namespace: StorageNamespace
+    store: GuardedStorage
+    on_host: set[bytes] = field(default_factory=set)
 
-    @property
-    def ready(self) -> bool:
-        return self.store is not None
-
-    def apply(self, meta: TieredKVWorkerMeta) -> None:
-        """A worker's report: open the store on first sight, then replay the host changes."""
-        if self.store is None:
-            meta.namespace.check_complete()
-            s = self.settings.storage
-            opener = functools.partial(
-                open_backend, s, s.storage_path, meta.namespace, meta.page_nbytes
-            )
-            self.store = GuardedStorage(opener)
-            self.namespace = meta.namespace
-        for cached, digest in meta.changes:
-            if cached:
-                self._on_host.add(digest)
-            else:
-                self._on_host.discard(digest)
-
-    def lookup(self, digests: Sequence[bytes]) -> tuple[int, int]:
-        """(leading pages on the host tier, pages after those in the store); (0, 0) before the
-        worker's first report."""
-        if self.store is None:
-            return 0, 0
+    def held(self, digests: Sequence[bytes]) -> tuple[int, int]:
+        """(leading pages on this rank's host tier, pages after those in its store)."""
         on_host = 0
         for d in digests:
-            if d not in self._on_host:
+            if d not in self.on_host:
                 break
             on_host += 1
         rest = digests[on_host:]
-        in_store = self.store.batch_exists(page_keys_of(self.namespace, rest)) if rest else 0
-        self.counters.add(lookups=1, lookup_hit_blocks=on_host + in_store)
-        return on_host, in_store
+        return on_host, self.store.batch_exists(page_keys_of(self.namespace, rest)) if rest else 0
+
+
+class SchedulerTiers:
+    def __init__(self, settings: ConnectorSettings, world_size: int = 1) -> None:
+        self.settings = settings
+        self.world_size = world_size  # the ranks that must report before lookups start
+        self._ranks: dict[str | None, _RankView] = {}
+        self.counters = TierCounters()  # the lookups; the workers count the rest
+
+    @property
+    def ready(self) -> bool:
+        return len(self._ranks) >= self.world_size
+
+    @property
+    def namespaces(self) -> dict[str | None, StorageNamespace]:
+        return {rank: v.namespace for rank, v in self._ranks.items()}
+
+    def apply(self, meta: TieredKVWorkerMeta) -> None:
+        """The workers' reports: a rank's store opened on first sight, then its host changes
+        replayed. A rank reporting another namespace than before is refused (ValueError)."""
+        for rank, report in meta.ranks.items():
+            view = self._ranks.get(rank)
+            if view is None:
+                view = self._ranks[rank] = self._open(report)
+            elif view.namespace != report.namespace:
+                raise ValueError(f"rank {rank!r} changed its namespace")
+            for cached, digest in report.changes:
+                if cached:
+                    view.on_host.add(digest)
+                else:
+                    view.on_host.discard(digest)
+
+    def _open(self, report: RankReport) -> _RankView:
+        report.namespace.check_complete()
+        s = self.settings.storage
+        opener = functools.partial(
+            open_backend, s, s.storage_path, report.namespace, report.page_nbytes
+        )
+        return _RankView(report.namespace, GuardedStorage(opener))
+
+    def lookup(self, digests: Sequence[bytes]) -> tuple[int, int]:
+        """(leading pages every rank holds on its host tier, pages after those every rank holds
+        on its host tier or in the store); (0, 0) until every rank has reported."""
+        if not self.ready:
+            return 0, 0
+        on_host = held = len(digests)
+        for view in self._ranks.values():
+            h, s = view.held(digests[:held])
+            on_host, held = min(on_host, h), min(held, h + s)
+            if held == 0:
+                break
+        on_host = min(on_host, held)
+        self.counters.add(lookups=1, lookup_hit_blocks=held)
+        return on_host, held - on_host
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        for view in self._ranks.values():
+            view.store.close()

@@ -1,0 +1,81 @@
+"""``check_engine``'s parallel-layout rules on stand-in configs (no engine started): tensor and
+pipeline parallelism are served with async loads; layer-wise loads under them and context
+parallelism are refused by name, before anything is allocated. Also ``parallel_rank``'s names.
+Runs in the vLLM venv (the connector module imports vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tiered_kv.errors import InvalidArgumentError
+
+
+def engine(tp=1, pp=1, dcp=1, pcp=1, policy="recompute", spec="FullAttentionSpec", groups=1):
+    specs = [type(spec, (), {})() for _ in range(groups)]
+    return (
+        SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+            ),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+        ),
+        SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs]),
+    )  # fmt: skip
+
+
+def settings(load_mode: str):
+    from tiered_kv.integrations.vllm.settings import read_settings
+
+    extra = {"model_id": "m@1", "storage_path": "/nonexistent", "storage_bytes": 1 << 30}
+    return read_settings({**extra, "load_mode": load_mode})
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_tensor_and_pipeline_parallel_are_served_with_async_loads(tp, pp):
+    from tiered_kv.integrations.vllm.connector import check_engine
+
+    check_engine(*engine(tp, pp), settings("async"))
+    if tp * pp == 1:
+        check_engine(*engine(tp, pp), settings("layerwise"))
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_layerwise_loads_under_parallelism_are_refused_by_name(tp, pp):
+    from tiered_kv.integrations.vllm.connector import check_engine
+
+    with pytest.raises(InvalidArgumentError, match=r"load_mode='layerwise'.*use load_mode='async'"):
+        check_engine(*engine(tp, pp), settings("layerwise"))
+
+
+@pytest.mark.parametrize("field", ["dcp", "pcp"])
+def test_context_parallelism_is_refused_by_name(field):
+    from tiered_kv.integrations.vllm.connector import check_engine
+
+    with pytest.raises(InvalidArgumentError, match="context_parallel_size=2"):
+        check_engine(*engine(**{field: 2}), settings("async"))
+
+
+def test_other_refusals_still_name_their_field():
+    from tiered_kv.integrations.vllm.connector import check_engine
+
+    with pytest.raises(InvalidArgumentError, match="kv_load_failure_policy='fail'"):
+        check_engine(*engine(policy="fail"), settings("async"))
+    with pytest.raises(InvalidArgumentError, match="2 KV cache groups"):
+        check_engine(*engine(groups=2), settings("async"))
+    with pytest.raises(InvalidArgumentError, match="SlidingWindowSpec"):
+        check_engine(*engine(spec="SlidingWindowSpec"), settings("async"))
+
+
+def test_rank_names(monkeypatch):
+    import vllm.distributed.parallel_state as ps
+
+    from tiered_kv.integrations.vllm.connector import parallel_rank
+
+    assert parallel_rank(engine()[0].parallel_config) is None  # one worker: unchanged pages
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    assert parallel_rank(engine(2, 2)[0].parallel_config) == "tp1of2-pp0of2"
