@@ -173,10 +173,12 @@ def writer(tiny_model, convo, tmp_path_factory) -> tuple[dict, object]:
     """The connector over a fresh embedded store, scheduler and worker in two processes (vLLM's
     CPU default), async loads. Returns (its result, its store directory)."""
     store = tmp_path_factory.mktemp("writer_store")
+    log = tmp_path_factory.mktemp("writer_log") / "engine.log"
     result = run(
         tiny_model, convo, kv_config(storage_path=str(store), load_mode="async"),
-        multiprocessing=True,
+        multiprocessing=True, log_path=log,
     )  # fmt: skip
+    result["log"] = log.read_text(errors="replace")
     return result, store
 
 
@@ -188,6 +190,15 @@ def page_nbytes(writer) -> int:
 
 
 # -- 1. the connector changes no output; later turns hit -------------------------------------
+
+
+def test_the_connector_says_what_it_built_in_vllms_log(writer):
+    """Its start-up line (layers, blocks, host pages, store) reaches vLLM's own log output: the
+    library's loggers have only a NullHandler, so the connector logs under ``vllm.``."""
+    log = writer[0]["log"]
+    line = next((x for x in log.splitlines() if "TieredKVConnector:" in x), None)
+    assert line is not None, log[-2000:]
+    assert "host pages of" in line and "store lmdb" in line, line
 
 
 def test_outputs_equal_the_baseline_and_later_turns_hit(baseline, writer, convo):

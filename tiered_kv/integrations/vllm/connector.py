@@ -47,7 +47,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger: the library's own loggers have only a NullHandler (an application picks
+# where they go), and inside vLLM the application is vLLM, whose handler serves ``vllm.*``.
+log = logging.getLogger("vllm.tiered_kv.connector")
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 

@@ -39,7 +39,7 @@ from tiered_kv.storage.backends import open_backend
 from tiered_kv.storage.guarded_store import GuardedStorage
 from tiered_kv.storage.keys import StorageNamespace, page_keys_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.tiered_kv.tiers")  # inside vLLM, its handler (see connector.py)
 _LOG = LogLimiter(log)
 
 
