@@ -53,10 +53,7 @@ def begin_many(
                 if not r.finished:
                     cache.abort(r)
         raise
-    for r in reqs:
-        cache.metrics.hits.add(r.hits)
-    cache._follow(reqs)
-    return reqs
+    return _started(cache, reqs)
 
 
 def begin_uncached(
@@ -72,6 +69,11 @@ def begin_uncached(
         for r in reqs:
             cache.abort(r)
         raise
+    return _started(cache, reqs)
+
+
+def _started(cache, reqs: list[Request]) -> list[Request]:
+    """``reqs``, begun: their hits counted and the layer waits following their loads."""
     for r in reqs:
         cache.metrics.hits.add(r.hits)
     cache._follow(reqs)

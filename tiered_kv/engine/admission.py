@@ -97,14 +97,7 @@ class Admission:
             self._kv[w.rid] = PagedKV(self.cache, req, self.model.embed.dtype)
             w.state = ReqState.RUNNING
             w.admit_seq, self._seq = self._seq, self._seq + 1
-            if w.admit_step is None:
-                w.admit_step = self.step_count
-                w.cached_tokens = req.prefix_len
-                self.stats.prompt_tokens += len(tokens)
-                self.stats.cached_tokens += req.prefix_len
-            else:
-                w.resumed_cached.append(req.prefix_len)
-            self.stats.admitted += 1
+            w.note_admitted(self.step_count, len(tokens), req.prefix_len, self.stats)
             admitted.append(w.rid)
         return tuple(admitted)
 

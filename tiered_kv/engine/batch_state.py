@@ -138,6 +138,17 @@ class EngineRequest:
     def done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
 
+    def note_admitted(self, step: int, tokens: int, prefix_len: int, stats: SchedulerStats) -> None:
+        """Count an admission of ``tokens`` tokens, ``prefix_len`` of them served from the cache:
+        the first one's prompt and hits, a resumption's hit apart."""
+        if self.admit_step is None:
+            self.admit_step, self.cached_tokens = step, prefix_len
+            stats.prompt_tokens += tokens
+            stats.cached_tokens += prefix_len
+        else:
+            self.resumed_cached.append(prefix_len)
+        stats.admitted += 1
+
     @property
     def prefilling(self) -> bool:
         return self.cache_req is not None and len(self.cache_req.tokens) < len(self.target)

@@ -198,13 +198,7 @@ class SparseScheduler:
             self.waiting.pop(0)
             w.cache_req, w.target, w.state = req, tokens, ReqState.RUNNING
             self.running.append(w)
-            if w.admit_step is None:
-                w.admit_step, w.cached_tokens = self.step_count, req.prefix_len
-                self.stats.prompt_tokens += len(tokens)
-                self.stats.cached_tokens += req.prefix_len
-            else:
-                w.resumed_cached.append(req.prefix_len)
-            self.stats.admitted += 1
+            w.note_admitted(self.step_count, len(tokens), req.prefix_len, self.stats)
             admitted.append(w.rid)
             start = req.prefix_len
             kv = StagedKV(self.serving, req, self.model.embed.dtype)
