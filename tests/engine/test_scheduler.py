@@ -181,7 +181,7 @@ def test_random_workload_never_overcommits_and_stays_bitwise(
     assert all(len(r.output) == r.max_new_tokens for r in sched.finished)
     assert all(r.state is ReqState.FINISHED for r in sched.finished)
     assert_bitwise(sched.finished)
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 360  # 27-35 s quiet, 106 s at load 6 on 2 cores
 
 
 class Blind(Scheduler):
