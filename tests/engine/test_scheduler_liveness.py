@@ -206,3 +206,42 @@ def test_random_workloads_with_slow_copies_never_stall(tmp_path, kind, seed):
     assert all(len(r.output) == r.max_new_tokens for r in sched.finished)
     hybrid.assert_bitwise(MODELS[kind], sched.finished)
     print(kind, seed, policy, sched.stats, f"{time.monotonic() - t0:.0f} s")
+
+
+def test_a_lone_head_whose_begun_prefix_fails_its_recheck_is_admitted_uncached_at_once(
+    tmp_path, monkeypatch
+):
+    """The head, alone, is begun with its cached prefix and then no longer fits with what its
+    begin really locked (a load evicted, say): it is aborted and, in the same step, begun with
+    no prefix; no stall."""
+    cache = make_cache(tmp_path, "dense", storage_bytes=0)
+    try:
+        rng = random.Random(4)
+        cfg = SchedulerConfig(chunk_size=16, record_logits=True, debug=True)
+        sched = Scheduler(cache, DENSE, cfg)
+        system = tokens(rng, 40)
+        sched.add(system + tokens(rng, 5), 3)
+        sched.run_until_done(100)
+        cache.drain()
+        real_begin, real_fits = cache.begin_many, sched._fits
+        recheck = {"fail": False}
+
+        def begin_many(prompts, extra_keys=None, *, cached=True):
+            recheck["fail"] = cached  # the re-check right after a cached begin fails
+            return real_begin(prompts, extra_keys, cached=cached)
+
+        def fits(need, locking=0):
+            if recheck.pop("fail", False):
+                return False
+            return real_fits(need, locking)
+
+        monkeypatch.setattr(cache, "begin_many", begin_many)
+        monkeypatch.setattr(sched, "_fits", fits)
+        req = sched.add(system + tokens(rng, 9), 4)
+        assert req.rid in sched.step().admitted
+        assert sched.stats.admission_recheck_failed == 1
+        assert sched.stats.uncached_admissions == 1 and sched.stats.stalls == 0
+        sched.run_until_done(100)
+        hybrid.assert_bitwise(DENSE, sched.finished)
+    finally:
+        cache.close()

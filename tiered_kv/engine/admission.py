@@ -27,13 +27,16 @@ class Admission:
         return admission_order(self.waiting, self.step_count, self.config, cached)
 
     def _admit(self) -> tuple[int, ...]:
-        """Admit what fits (``_admit_fitting``); when nothing runs and nothing was admitted,
-        wait for the copies in flight and try once more, and a step that still admits nothing
-        is a stall (``engine.liveness``)."""
+        """Admit what fits (``_admit_fitting``); when nothing runs and nothing was admitted, try
+        again after the copies in flight landed, or with no prefix where the head's begun form
+        failed its re-check (at most twice); a step that still admits nothing is a stall
+        (``engine.liveness``)."""
         admitted = self._admit_fitting()
         if admitted or self.running or not self.waiting:
             return admitted
-        if wait_for_copies(self.cache, self.stats):
+        for _ in range(2):
+            if not wait_for_copies(self.cache, self.stats) and self._escalate is None:
+                break
             admitted = self._admit_fitting()
             if admitted or self.running:
                 return admitted
