@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.engine_proc import run_turns
 from tests.vllm.faults import damage_slab_pages
 from tests.vllm.test_connector_engine import (
     BS,
@@ -32,6 +31,7 @@ from tests.vllm.test_connector_engine import (
     full_prompt_hits,
     kv_config,
     later_turn_hits,
+    run,
 )
 
 WORKERS = 2
@@ -60,17 +60,10 @@ def layout(request) -> str:
 
 
 def run_parallel(tiny_model, convo: Convo, layout: str, kv: dict | None) -> dict:
-    return run_turns(
-        tiny_model,
-        convo.turns,
-        max_tokens=convo.max_tokens,
-        kv_transfer_config=kv,
-        enable_prefix_caching=False,
-        multiprocessing=True,
-        engine_args=LAYOUTS[layout],
-        env=BIND_ENV,
+    return run(
+        tiny_model, convo, kv, multiprocessing=True, engine_args=LAYOUTS[layout], env=BIND_ENV,
         timeout=TIMEOUT,
-    )
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
