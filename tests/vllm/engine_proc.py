@@ -63,10 +63,11 @@ def run_turns(
     max_tokens: int,
     kv_transfer_config: dict | None = None,
     enable_prefix_caching: bool = True,
-    block_size: int = 32,
+    block_size: int | None = 32,
     multiprocessing: bool = False,
     ignore_eos: bool = True,
     engine_args: dict | None = None,
+    reset_prefix_cache: bool = False,
     env: dict | None = None,
     timeout: float = 300.0,
     log_path: str | Path | None = None,
@@ -92,6 +93,7 @@ def run_turns(
         "block_size": block_size,
         "ignore_eos": ignore_eos,
         "engine_args": engine_args or {},
+        "reset_prefix_cache": reset_prefix_cache,
         "handshake_dir": None,
     }
     with tempfile.TemporaryDirectory(prefix="vllm_proc_") as tmp:
@@ -365,14 +367,15 @@ def _child(spec_path: str, out_path: str) -> None:
     kv = spec["kv_transfer_config"]
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        block_size=spec["block_size"],
         enable_prefix_caching=spec["enable_prefix_caching"],
         kv_transfer_config=None if kv is None else KVTransferConfig(**kv),
         seed=0,
         disable_log_stats=False,
-        **{"enforce_eager": True, **spec["engine_args"]},  # pipeline parallel needs it off
+        # pipeline parallel needs enforce_eager off; Qwen3-Next runs in bfloat16 only; a hybrid
+        # model with recurrent state picks its own block size (block_size None)
+        **{"dtype": "float32", "enforce_eager": True, "max_model_len": MAX_MODEL_LEN,
+           **spec["engine_args"]},  # fmt: skip
+        **({"block_size": spec["block_size"]} if spec["block_size"] else {}),
     )
     ready = time.perf_counter()
     params = SamplingParams(
@@ -380,6 +383,8 @@ def _child(spec_path: str, out_path: str) -> None:
     )
     turns: list[dict] = []
     for turn in spec["turns"]:
+        if turns and spec.get("reset_prefix_cache"):  # later turns hit the connector, not vLLM
+            llm.reset_prefix_cache()
         prompts = []
         for p in turn:
             if isinstance(p, dict):

@@ -12,8 +12,13 @@ import pytest
 from tiered_kv.errors import InvalidArgumentError
 
 
-def engine(tp=1, pp=1, dcp=1, pcp=1, policy="recompute", spec="FullAttentionSpec", groups=1):
-    specs = [type(spec, (), {})() for _ in range(groups)]
+def spec_of(name: str, block_size: int = 16, **attrs):
+    return type(name, (), {"block_size": block_size, **attrs})()
+
+
+def engine(tp=1, pp=1, dcp=1, pcp=1, policy="recompute", spec="FullAttentionSpec", groups=1,
+           specs=None):  # fmt: skip
+    specs = specs or [spec_of(spec, sliding_window=64) for _ in range(groups)]
     return (
         SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
@@ -64,10 +69,28 @@ def test_other_refusals_still_name_their_field():
 
     with pytest.raises(InvalidArgumentError, match="kv_load_failure_policy='fail'"):
         check_engine(*engine(policy="fail"), settings("async"))
-    with pytest.raises(InvalidArgumentError, match="2 KV cache groups"):
-        check_engine(*engine(groups=2), settings("async"))
-    with pytest.raises(InvalidArgumentError, match="SlidingWindowSpec"):
-        check_engine(*engine(spec="SlidingWindowSpec"), settings("async"))
+
+
+def test_hybrid_groups_are_served_and_their_limits_refused_by_name():
+    from tiered_kv.integrations.vllm.connector import check_engine
+    from tiered_kv.integrations.vllm.groups import GroupKind
+
+    window = spec_of("SlidingWindowSpec", 32, sliding_window=64, extra_retained_tokens=3)
+    state = spec_of("MambaSpec", 32, mamba_cache_mode="align")
+    full = spec_of("FullAttentionSpec", 32)
+    grid = check_engine(*engine(specs=[window, full, state]), settings("async"))
+    assert [p.kind for p in grid.groups] == [GroupKind.WINDOW, GroupKind.FULL, GroupKind.STATE]
+    assert grid.groups[0].window == 64 and grid.groups[0].retained == 3 and grid.hybrid
+    assert not check_engine(*engine(), settings("layerwise")).hybrid
+    with pytest.raises(InvalidArgumentError, match=r"load_mode='layerwise' with KV cache groups"):
+        check_engine(*engine(specs=[window, full]), settings("layerwise"))
+    with pytest.raises(InvalidArgumentError, match="ChunkedLocalAttentionSpec"):
+        check_engine(*engine(specs=[spec_of("ChunkedLocalAttentionSpec"), full]), settings("async"))
+    with pytest.raises(InvalidArgumentError, match="mamba_cache_mode='none'.*--enable-prefix"):
+        none = spec_of("MambaSpec", 32, mamba_cache_mode="none")
+        check_engine(*engine(specs=[none, full]), settings("async"))
+    with pytest.raises(InvalidArgumentError, match=r"block sizes \[16, 32\]"):
+        check_engine(*engine(specs=[spec_of("FullAttentionSpec", 16), full]), settings("async"))
 
 
 def test_rank_names(monkeypatch):

@@ -273,7 +273,7 @@ def test_scheduler_tiers_mirror_the_host_and_read_the_store(tmp_path, gen):
         def report():
             changes = tiers.slots.take_changes()
             return TieredKVWorkerMeta(
-                {None: RankReport(tiers.namespace, layout.page_nbytes, changes)}
+                {(None, 0): RankReport(tiers.namespace, layout.page_nbytes, changes)}
             )
 
         def save(blocks, digests):
@@ -281,7 +281,7 @@ def test_scheduler_tiers_mirror_the_host_and_read_the_store(tmp_path, gen):
 
         save([1, 2, 3], d[:3])
         sched.apply(report())
-        assert sched.ready and sched.namespaces == {None: tiers.namespace}
+        assert sched.ready and sched.namespaces == {(None, 0): tiers.namespace}
         for chain in (d, d[:2], d[1:], d[3:]):
             assert sched.lookup(chain) == tiers.lookup(chain)
         assert sched.lookup(d) == (3, 0)
@@ -303,26 +303,26 @@ def test_worker_reports_aggregate_by_rank_and_a_rank_must_agree(tmp_path, gen):
     ns = layout.namespace(model="m@1", rank="tp0of2-pp0of1", tenant=None, kv_scales=None)
     ns1 = layout.namespace(model="m@1", rank="tp1of2-pp0of1", tenant=None, kv_scales=None)
     other = layout.namespace(model="m@2", rank="tp0of2-pp0of1", tenant=None, kv_scales=None)
-    a = TieredKVWorkerMeta({"r0": RankReport(ns, 64, [(True, b"x" * 32)])})
-    b = TieredKVWorkerMeta({"r0": RankReport(ns, 64, [(False, b"x" * 32), (True, b"y" * 32)])})
-    c = TieredKVWorkerMeta({"r1": RankReport(ns1, 64, [(True, b"z" * 32)])})
+    a = TieredKVWorkerMeta({("r0", 0): RankReport(ns, 64, [(True, b"x" * 32)])})
+    b = TieredKVWorkerMeta({("r0", 0): RankReport(ns, 64, [(False, b"x" * 32), (True, b"y" * 32)])})
+    c = TieredKVWorkerMeta({("r1", 0): RankReport(ns1, 64, [(True, b"z" * 32)])})
     merged = a.aggregate(b).aggregate(c)
-    assert merged.ranks["r0"].changes == a.ranks["r0"].changes + b.ranks["r0"].changes
-    assert merged.ranks["r1"] == c.ranks["r1"]
-    assert list(a.ranks["r0"].changes) == [(True, b"x" * 32)]  # the inputs stay as they were
+    assert merged.ranks[("r0", 0)].changes == a.ranks[("r0", 0)].changes + b.ranks[("r0", 0)].changes
+    assert merged.ranks[("r1", 0)] == c.ranks[("r1", 0)]
+    assert list(a.ranks[("r0", 0)].changes) == [(True, b"x" * 32)]  # the inputs stay as they were
     with pytest.raises(ValueError, match="two namespaces"):
-        a.aggregate(TieredKVWorkerMeta({"r0": RankReport(other, 64, [])}))
+        a.aggregate(TieredKVWorkerMeta({("r0", 0): RankReport(other, 64, [])}))
     sched = SchedulerTiers(_settings(tmp_path), world_size=2)
     try:
         sched.apply(merged)
         with pytest.raises(ValueError, match="changed its namespace"):
-            sched.apply(TieredKVWorkerMeta({"r1": RankReport(other, 64, [])}))
+            sched.apply(TieredKVWorkerMeta({("r1", 0): RankReport(other, 64, [])}))
     finally:
         sched.close()
     sched = SchedulerTiers(_settings(tmp_path))
     bad = layout.namespace(model="m", rank=None, tenant=None, kv_scales=None)
     with pytest.raises(StorageOpenError, match="model"):
-        sched.apply(TieredKVWorkerMeta({None: RankReport(bad, 64, [])}))
+        sched.apply(TieredKVWorkerMeta({(None, 0): RankReport(bad, 64, [])}))
     assert not sched.ready
 
 
@@ -346,7 +346,7 @@ def test_a_page_counts_only_where_every_rank_holds_it(tmp_path, gen):
             t = ranks[name]
             changes = t.slots.take_changes()
             return TieredKVWorkerMeta(
-                {name: RankReport(t.namespace, t.layout.page_nbytes, changes)}
+                {(name, 0): RankReport(t.namespace, t.layout.page_nbytes, changes)}
             )
 
         def save(t, blocks, digests):

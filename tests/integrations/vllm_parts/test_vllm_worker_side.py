@@ -59,7 +59,7 @@ class Pair:
         self.tiers.drain()
         changes = self.tiers.slots.take_changes()
         report = RankReport(self.tiers.namespace, self.layout.page_nbytes, changes)
-        meta = TieredKVWorkerMeta({None: report})
+        meta = TieredKVWorkerMeta({(None, 0): report})
         self.sched_tiers.apply(meta)
 
     def forward(self, meta) -> None:

@@ -18,6 +18,7 @@ dtype, the block size and the layers are the namespace, so pages of two layouts 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.integrations.vllm.groups import GroupKind
 from tiered_kv.storage.keys import StorageNamespace
 
 _LOGICAL = "BHNC"  # vLLM's logical per-layer axes: blocks, heads, tokens in block, content
@@ -45,6 +47,7 @@ class BlockLayout:
     block_size: int
     content: int
     dtype: torch.dtype
+    kind: str = "vllm-attention"  # vllm-window, vllm-state: another group kind, other pages
 
     @property
     def num_blocks(self) -> int:
@@ -82,7 +85,7 @@ class BlockLayout:
         per_token = (self.heads, self.content)
         parts = [("kv", per_token)] if self.num_parts == 1 else [("k", per_token), ("v", per_token)]
         return StorageNamespace.create(
-            kind="vllm-attention",
+            kind=self.kind,
             parts=parts,
             dtype=dtype,
             layer_ids=self.layer_ids,
@@ -146,9 +149,15 @@ def describe_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> B
     for name, cache in kv_caches.items():
         if not isinstance(cache, torch.Tensor):
             raise InvalidArgumentError(f"layer {name!r}: KV cache is a {type(cache).__name__}")
-        if cache.dim() == 4 and cache.shape[0] == num_blocks:
+        ratio = cache.shape[0] // num_blocks if cache.dim() == 4 and num_blocks > 0 else 0
+        if cache.dim() == 4 and ratio >= 1 and cache.shape[0] == ratio * num_blocks:
+            # ``ratio`` > 1: the attention kernel splits each of vLLM's blocks into ``ratio``
+            # kernel blocks, consecutive in memory (block-outermost layouts): one row each.
             rows, layout = _block_rows(cache, name)
-            parts, logical = (rows,), tuple(cache.shape[1:])
+            if ratio > 1:
+                rows, layout = rows.reshape(num_blocks, -1), f"{layout}x{ratio}"
+            h, n, c = cache.shape[1:]
+            parts, logical = (rows,), (h, n * ratio, c)
         elif cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
             # legacy planes [2, B, N, H, D]: K plane then V plane, each [B, N, H, D]
             k, v = (_block_rows(cache[i].permute(0, 2, 1, 3), name) for i in (0, 1))
@@ -170,6 +179,10 @@ def describe_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> B
             f"{sorted(map(str, shapes))}: the connector stores one page geometry per engine"
         )
     (heads, block_size, content), dtype, _ = shapes.pop()
+    return _layout(names, parts_per_layer, layouts.pop(), heads, block_size, content, dtype)
+
+
+def _layout(names, parts_per_layer, layout, heads, block_size, content, dtype, kind=None):
     ids = tuple(_layer_id(n, i) for i, n in enumerate(names))
     if len(set(ids)) != len(ids):
         ids = tuple(range(len(names)))
@@ -178,9 +191,58 @@ def describe_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> B
         layer_names=tuple(names),
         layer_ids=ids,
         rows=rows,
-        layout=layouts.pop(),
+        layout=layout,
         heads=int(heads),
         block_size=int(block_size),
         content=int(content),
         dtype=dtype,
+        kind=kind or "vllm-attention",
     )
+
+
+def state_rows(cache: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
+    """A recurrent-state layer's blocks as ``[num_blocks, page bytes]`` int8 rows: vLLM hands
+    its state as a raw ``[num_blocks, 1, 1, state bytes]`` int8 view whose blocks are a padded
+    page apart; a row is the whole padded page (the padding belongs to the block too)."""
+    if cache.dim() != 4 or cache.shape[0] != num_blocks or cache.dtype != torch.int8:
+        raise InvalidArgumentError(
+            f"layer {name!r}: recurrent state of shape {tuple(cache.shape)} {cache.dtype}; "
+            f"expected vLLM's raw int8 pages [{num_blocks}, 1, 1, bytes]"
+        )
+    page = cache.stride(0)
+    inner = math.prod(cache.shape[1:])
+    end = cache.storage_offset() + num_blocks * page
+    if page < inner or end > cache.untyped_storage().nbytes() or cache.stride(3) != 1:
+        raise InvalidArgumentError(
+            f"layer {name!r}: recurrent state of shape {tuple(cache.shape)} strides "
+            f"{cache.stride()} is not one run of {num_blocks} pages"
+        )
+    return torch.as_strided(cache, (num_blocks, page), (page, 1))
+
+
+def describe_groups(kv_caches, kv_cache_config, grid, num_blocks: int) -> dict[int, BlockLayout]:
+    """Per KV cache group with layers on this rank, the layout of its layers' blocks (its
+    layers: the group's ``layer_names`` that ``kv_caches`` holds; a layer sharing another's
+    cache is in no group and is not stored twice). Attention groups as ``describe_layers``;
+    state groups as raw padded pages (``state_rows``), their spec's shapes and dtypes in the
+    layout's name."""
+    out = {}
+    for plan, group in zip(grid.groups, kv_cache_config.kv_cache_groups, strict=True):
+        names = [n for n in group.layer_names if n in kv_caches]
+        if not names:
+            continue  # a pipeline stage without this group's layers
+        kind = {GroupKind.FULL: "vllm-attention", GroupKind.WINDOW: "vllm-window"}.get(
+            plan.kind, "vllm-state"
+        )
+        if plan.kind is not GroupKind.STATE:
+            layout = describe_layers({n: kv_caches[n] for n in names}, num_blocks)
+            out[plan.index] = dataclasses.replace(layout, kind=kind)
+            continue
+        spec = group.kv_cache_spec
+        rows = [state_rows(kv_caches[n], num_blocks, n) for n in names]
+        what = f"RAW{tuple(map(tuple, spec.shapes))}{tuple(str(d) for d in spec.dtypes)}"
+        out[plan.index] = _layout(
+            names, [(r,) for r in rows], what.replace(" ", ""), 1, plan.block_size,
+            rows[0].shape[1], torch.int8, kind,
+        )  # fmt: skip
+    return out

@@ -10,11 +10,12 @@ Loaded by vLLM from ``--kv-transfer-config``::
 vLLM builds one instance per role: the scheduler's (``SchedulerSide``: lookups and the step's
 metadata) and the worker's (``WorkerSide``: the copies, on ``ConnectorTiers``). The engine is
 checked at startup and anything the connector cannot store correctly is refused by name
-(``check_engine``): a failure policy other than ``recompute`` (a failed load must be recomputed,
-never served or fatal), more than one KV cache group (vLLM's hybrid manager: this connector does
-not implement ``SupportsHMA``, so vLLM turns the hybrid manager off for it), a KV cache spec
-other than full attention or MLA, a quantized KV cache without ``kv_scales_id``, context
-parallelism, and layer-wise loads under tensor or pipeline parallelism. Under tensor and
+(``engine_check``). The connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager on: a model with several KV cache groups (sliding-window and full attention, linear
+attention's recurrent state) runs on ``HybridSchedulerSide`` / ``HybridWorkerSide``, one set of
+tiers per group, pages of every group under one chain of digests and a hit only where every
+group can restore it exactly (``groups``). A model with one full-attention group keeps the
+single-group path (and its layer-wise loads). Under tensor and
 pipeline parallelism each worker rank stores its own shard (its KV heads, its stage's layers)
 under a namespace naming its rank (``parallel_rank``), and the scheduler half offers a page only
 where every rank holds it (``SchedulerTiers``); vLLM counts a load done when every rank has
@@ -30,17 +31,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.integrations.vllm.block_layout import describe_layers
+from tiered_kv.integrations.vllm.block_layout import describe_groups, describe_layers
+from tiered_kv.integrations.vllm.engine_check import check_engine
 from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVMetadata, TieredKVWorkerMeta
+from tiered_kv.integrations.vllm.scheduler_hybrid import HybridSchedulerSide
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
 from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
-from tiered_kv.integrations.vllm.settings import FLAG, read_settings
+from tiered_kv.integrations.vllm.settings import read_settings
 from tiered_kv.integrations.vllm.stats import StatsDelta, TieredKVPromMetrics, TieredKVStats
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers
+from tiered_kv.integrations.vllm.worker_hybrid import HybridWorkerSide
 from tiered_kv.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -50,57 +56,6 @@ if TYPE_CHECKING:
 # Under vLLM's logger: the library's own loggers have only a NullHandler (an application picks
 # where they go), and inside vLLM the application is vLLM, whose handler serves ``vllm.*``.
 log = logging.getLogger("vllm.tiered_kv.connector")
-SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-
-
-def check_engine(vllm_config, kv_cache_config, settings) -> None:
-    """Refuse, by name, an engine whose KV this connector cannot store and load correctly."""
-    kt = vllm_config.kv_transfer_config
-    if getattr(kt, "kv_load_failure_policy", "recompute") != "recompute":
-        raise InvalidArgumentError(
-            f"kv_transfer_config.kv_load_failure_policy={kt.kv_load_failure_policy!r}: "
-            "TieredKVConnector needs 'recompute' (a page that cannot be proven to be the one "
-            'written is a miss that vLLM recomputes); add "kv_load_failure_policy": '
-            '"recompute" to --kv-transfer-config'
-        )
-    pc = vllm_config.parallel_config
-    workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(pc, name, 1) != 1:
-            raise InvalidArgumentError(
-                f"{name}={getattr(pc, name)}: TieredKVConnector stores tensor- and pipeline-"
-                "parallel shards, not context-parallel ones (a rank holds part of each block's "
-                "tokens); run without context parallelism"
-            )
-    if workers != 1 and not settings.load_async:
-        raise InvalidArgumentError(
-            f"{FLAG}.load_mode='layerwise' with tensor_parallel_size={pc.tensor_parallel_size} "
-            f"x pipeline_parallel_size={pc.pipeline_parallel_size}: a layer-wise load that fails "
-            "on one rank is only known after the forward every rank ran on it, and the other "
-            "ranks would save what it computed; use load_mode='async' (failures are reported "
-            "before the request runs)"
-        )
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        specs = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise InvalidArgumentError(
-            f"{len(groups)} KV cache groups ({', '.join(specs)}): TieredKVConnector stores one "
-            "group; pass --disable-hybrid-kv-cache-manager (models that need the hybrid manager, "
-            "Mamba / linear-attention hybrids, are not supported)"
-        )
-    spec = type(groups[0].kv_cache_spec).__name__
-    if spec not in SUPPORTED_SPECS:
-        raise InvalidArgumentError(
-            f"KV cache spec {spec}: TieredKVConnector supports {', '.join(SUPPORTED_SPECS)} "
-            "(sliding-window layers run as full attention once the hybrid manager is off)"
-        )
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto" and settings.storage.kv_scales_id is None:
-        raise InvalidArgumentError(
-            f"--kv-cache-dtype {cache_dtype} with no {FLAG}.kv_scales_id: name the KV "
-            "quantization scales (e.g. 'per-tensor:<checkpoint digest>'), or pages written "
-            "under other scales would match"
-        )
 
 
 def parallel_rank(parallel_config) -> str | None:
@@ -115,7 +70,7 @@ def parallel_rank(parallel_config) -> str | None:
     return f"tp{get_tensor_model_parallel_rank()}of{tp}-pp{get_pp_group().rank_in_group}of{pp}"
 
 
-class TieredKVConnector(KVConnectorBase_V1):
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over tiered_kv's tiers (see the module docstring)."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -125,11 +80,12 @@ class TieredKVConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config)
-        check_engine(vllm_config, kv_cache_config, self.settings)
+        self.grid = check_engine(vllm_config, kv_cache_config, self.settings)
+        self.hybrid = self.grid.hybrid
         self._engine_id = str(self._kv_transfer_config.engine_id)
-        self._block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        self._block_size = self.grid.step
         self._cache_dtype = vllm_config.cache_config.cache_dtype
-        self._worker: WorkerSide | None = None
+        self._worker: WorkerSide | HybridWorkerSide | None = None
         self._rank: str | None = None  # the worker's rank name (``parallel_rank``)
         self._stats: StatsDelta | None = None
         self._scheduler: SchedulerSide | None = None
@@ -139,13 +95,27 @@ class TieredKVConnector(KVConnectorBase_V1):
             world = pc.tensor_parallel_size * pc.pipeline_parallel_size
             self._sched_tiers = SchedulerTiers(self.settings, world_size=world)
             self._stats = StatsDelta(self._sched_tiers.counters)
-            self._scheduler = SchedulerSide(
-                self._block_size, self.settings.load_async, self._sched_tiers.lookup, self._ids
-            )
+            if self.hybrid:
+                st = self._sched_tiers
+                self._scheduler = HybridSchedulerSide(
+                    self.grid, st.present, lambda g, d: st.lookup(d, g)[0], self._group_ids,
+                    st.counters,
+                )  # fmt: skip
+            else:
+                self._scheduler = SchedulerSide(
+                    self._block_size, self.settings.load_async, self._sched_tiers.lookup, self._ids
+                )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: vLLM computes whatever the connector does not deliver
 
     # -- the scheduler half ---------------------------------------------------------------
     def _ids(self, req_id: str) -> list[int]:
         return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _group_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if not self._sched_tiers.ready:
@@ -174,8 +144,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.request_finished(request)
         return False, None
 
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids)
+
     # -- the worker half ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
+        self._rank = parallel_rank(self._vllm_config.parallel_config)
+        if self.hybrid:
+            self._register_groups(kv_caches)
+            return
         num_blocks = int(self._kv_cache_config.num_blocks)
         layout = describe_layers(kv_caches, num_blocks)
         if layout.block_size != self._block_size:
@@ -183,7 +160,6 @@ class TieredKVConnector(KVConnectorBase_V1):
                 f"the attention kernel's block size {layout.block_size} differs from vLLM's "
                 f"block size {self._block_size}: pass --block-size {layout.block_size}"
             )
-        self._rank = parallel_rank(self._vllm_config.parallel_config)
         tiers = ConnectorTiers(
             self.settings, layout, rank=self._rank, kv_cache_dtype=self._cache_dtype
         )
@@ -195,6 +171,31 @@ class TieredKVConnector(KVConnectorBase_V1):
             f" rank {self._rank}" if self._rank else "",
             len(layout.layer_ids), layout.layout, layout.block_size, tiers.pages.num_pages,
             layout.page_nbytes, self.settings.storage.storage_backend,
+        )  # fmt: skip
+
+    def _register_groups(self, kv_caches) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layouts = describe_groups(kv_caches, self._kv_cache_config, self.grid, num_blocks)
+        slots = self.settings.host_bytes // max(1, sum(x.page_nbytes for x in layouts.values()))
+        tiers = {
+            g: ConnectorTiers(
+                self.settings, layout, rank=self._rank, kv_cache_dtype=self._cache_dtype,
+                num_slots=slots,
+            )
+            for g, layout in layouts.items()
+        }  # fmt: skip
+        self._worker = HybridWorkerSide(tiers)
+        self._stats = StatsDelta(*(t.counters for t in tiers.values()))
+        log.info(
+            "TieredKVConnector%s: KV cache groups %s, blocks of %d tokens, %d host pages per "
+            "group, store %s",
+            f" rank {self._rank}" if self._rank else "",
+            ", ".join(
+                f"{g}:{t.layout.kind.removeprefix('vllm-')} x{len(t.layout.layer_ids)} layers "
+                f"({t.layout.page_nbytes} B/page)"
+                for g, t in tiers.items()
+            ),
+            self._block_size, slots, self.settings.storage.storage_backend,
         )  # fmt: skip
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -220,20 +221,39 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]):
-        if self._worker is None:
+        if self._worker is None or self.hybrid:
             return None, None
         return None, (self._worker.get_finished() or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if not self.hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        # With several groups vLLM takes failures per request only (failed_recving; a failed
+        # receive is also a finished one), and recomputes the request from its start.
+        finished, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished or None, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        if self._worker is None or self.hybrid:
+            return set()
+        return self._worker.load_errors()
 
     def build_connector_worker_meta(self) -> TieredKVWorkerMeta | None:
         if self._worker is None:
             return None
-        tiers = self._worker.tiers
-        changes = tiers.slots.take_changes()
-        report = RankReport(tiers.namespace, tiers.layout.page_nbytes, changes)
-        return TieredKVWorkerMeta({self._rank: report})
+        if self.hybrid:
+            groups = self._worker.tiers.items()
+        else:
+            groups = [(0, self._worker.tiers)]
+        reports = {
+            (self._rank, g): RankReport(
+                t.namespace, t.layout.page_nbytes, t.slots.take_changes(), group=g
+            )
+            for g, t in groups
+        }
+        return TieredKVWorkerMeta(reports)
 
     def get_kv_connector_stats(self):
         return self._stats.take() if self._stats is not None else None

@@ -56,6 +56,7 @@ class _Tracked:
     saved: int = 0  # blocks from the start known to be in the tiers (or being written)
     lookup: tuple[int, int] | None = None  # (first block, end block) the tiers can load
     sources: tuple[int, int] = (0, 0)  # the last lookup's tokens on the host, in the store
+    failed_load: bool = False  # a load of this request failed: no external hit for it again
 
 
 class SchedulerSide:

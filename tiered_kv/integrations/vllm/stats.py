@@ -39,6 +39,12 @@ HELP = {
     "load_copy_us": "microseconds spent copying host pages into vLLM's blocks",
     "save_copy_us": "microseconds spent copying vLLM's blocks to host pages",
     "store_write_us": "microseconds spent writing host pages to the store",
+    "loaded_window_blocks": "blocks of sliding-window groups loaded (within the loaded blocks)",
+    "loaded_state_blocks": "recurrent-state blocks loaded (within the loaded blocks)",
+    "saved_state_blocks": "recurrent-state blocks saved at a block boundary",
+    "window_skipped_blocks": "sliding-window blocks a hit did not load: out of the window",
+    "failed_load_requests": "requests whose load failed on some rank (hybrid models: "
+    "recomputed from their start)",
 }
 assert set(HELP) == set(TierCounters.NAMES)
 
@@ -62,14 +68,21 @@ class TieredKVStats(KVConnectorStats):
 
 
 class StatsDelta:
-    """What changed in a ``TierCounters`` since the last ``take``."""
+    """What changed in one or several ``TierCounters`` (summed) since the last ``take``."""
 
-    def __init__(self, counters: TierCounters) -> None:
+    def __init__(self, *counters: TierCounters) -> None:
         self.counters = counters
-        self._last = counters.snapshot()
+        self._last = self._now()
+
+    def _now(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for c in self.counters:
+            for k, n in c.snapshot().items():
+                total[k] = total.get(k, 0) + n
+        return total
 
     def take(self) -> TieredKVStats | None:
-        now = self.counters.snapshot()
+        now = self._now()
         delta = {k: now[k] - self._last.get(k, 0) for k in now if now[k] != self._last.get(k, 0)}
         self._last = now
         return TieredKVStats(data=delta) if delta else None

@@ -57,6 +57,8 @@ class TierCounters:
         "save_present_blocks", "store_written_blocks", "store_write_failed_blocks",
         "copy_errors", "loaded_bytes", "saved_bytes",
         "store_read_us", "load_copy_us", "save_copy_us", "store_write_us",
+        "loaded_window_blocks", "loaded_state_blocks", "saved_state_blocks",
+        "window_skipped_blocks", "failed_load_requests",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -95,6 +97,7 @@ class ConnectorTiers:
         layout: BlockLayout,
         rank: str | None,
         kv_cache_dtype: str | None = None,
+        num_slots: int | None = None,
     ) -> None:
         s = settings.storage
         self.layout = layout
@@ -106,7 +109,8 @@ class ConnectorTiers:
             kv_cache_dtype=kv_cache_dtype,
         )
         self.namespace.check_complete()  # fail closed, before anything is allocated
-        num_slots = settings.host_bytes // layout.page_nbytes
+        if num_slots is None:  # a share of host_bytes where several groups split it
+            num_slots = settings.host_bytes // layout.page_nbytes
         if num_slots < 1:
             raise InvalidArgumentError(
                 f"{FLAG}.host_bytes={settings.host_bytes} holds no page: a page (one block of "
@@ -119,6 +123,8 @@ class ConnectorTiers:
         )
         self.store = GuardedStorage(opener)
         self.counters = TierCounters()
+        kind = layout.kind.removeprefix("vllm-")
+        self._kinds = (kind,) if kind in ("window", "state") else ()  # counted on their own
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-vllm-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-vllm-save")
         self._closed = False
@@ -175,6 +181,7 @@ class ConnectorTiers:
                 loaded_bytes=ok * self.layout.page_nbytes,
                 loaded_host_blocks=ok - fetched,
                 loaded_store_blocks=fetched,
+                **{f"loaded_{k}_blocks": ok for k in self._kinds},
             )
         finally:
             for slot in pinned:
@@ -278,9 +285,9 @@ class ConnectorTiers:
             return None
         for slot, d in zip(save.slots, save.digests, strict=True):
             self.slots.publish(slot, d)
-        self.counters.add(
-            saved_blocks=len(save.blocks), saved_bytes=len(save.blocks) * self.layout.page_nbytes
-        )
+        n = len(save.blocks)
+        state = {"saved_state_blocks": n} if "state" in self._kinds else {}
+        self.counters.add(saved_blocks=n, saved_bytes=n * self.layout.page_nbytes, **state)
         return self._saver.submit(self._write, save)
 
     def _write(self, save: SaveCopy) -> None:

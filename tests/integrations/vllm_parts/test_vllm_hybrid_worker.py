@@ -1,0 +1,128 @@
+"""The hybrid worker half (``HybridWorkerSide``) over real per-group tiers: each group's pages
+are saved from its own layers and loaded back byte-exact into other blocks; a request fails as
+a whole when any group's part fails or the scheduler doomed it; recurrent state is copied at
+bind time, before the step's forward may change the block."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tiered_kv.integrations.vllm.block_layout import describe_layers
+from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
+from tiered_kv.integrations.vllm.settings import read_settings
+from tiered_kv.integrations.vllm.tiers import ConnectorTiers
+from tiered_kv.integrations.vllm.worker_hybrid import HybridWorkerSide
+
+from ._kv import fill_bits_, make_caches, page_bytes, refill_
+
+NB, H, BS, D = 10, 2, 4, 6
+KIND = "LBHNC"
+GROUP_LAYERS = {0: [0, 2], 1: [1, 3], 2: [4]}  # window, full, "state" (a raw page per block)
+KINDS = {0: "vllm-window", 1: "vllm-attention", 2: "vllm-state"}
+
+
+class Rig:
+    def __init__(self, tmp_path, gen) -> None:
+        settings = read_settings(
+            {
+                "model_id": "org/hybrid@rev1",
+                "storage_path": str(tmp_path / "store"),
+                "storage_bytes": 64 << 20,
+            }
+        )
+        self.physical, tiers = {}, {}
+        for g, layers in GROUP_LAYERS.items():
+            caches, phys = make_caches(KIND, layers, NB, H, BS, D, gen)
+            layout = dataclasses.replace(describe_layers(caches, NB), kind=KINDS[g])
+            self.physical[g] = phys
+            tiers[g] = ConnectorTiers(settings, layout, rank=None, num_slots=6)
+        self.worker = HybridWorkerSide(tiers)
+        self.gen = gen
+
+    def page(self, g: int, block: int) -> torch.Tensor:
+        return page_bytes(KIND, self.physical[g], block)
+
+    def forward(self, meta: TieredKVMetadata) -> None:
+        self.worker.begin_saves(meta)
+        for t in self.worker.tiers.values():
+            for name in t.layout.layer_names:
+                self.worker.save_kv_layer(name)
+        self.worker.wait_for_save()
+        self.worker.start_load_kv(meta)
+
+    def settle(self) -> tuple[set[str], set[str]]:
+        for t in self.worker.tiers.values():
+            t.drain()
+        return self.worker.transfer_results()
+
+
+def digest(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_every_groups_pages_round_trip_byte_exact(tmp_path, gen):
+    rig = Rig(tmp_path, gen)
+    try:
+        saves = [
+            BlockPages("a", [1, 2], [digest(1), digest(2)], 0),
+            BlockPages("a", [3, 4, 5], [digest(1), digest(2), digest(3)], 1),
+        ]
+        rig.forward(TieredKVMetadata(saves=saves))
+        rig.settle()
+        want = {
+            (0, d): rig.page(0, b) for b, d in ((1, 1), (2, 2))
+        } | {(1, d): rig.page(1, b) for b, d in ((3, 1), (4, 2), (5, 3))}
+        for g in (0, 1):
+            refill_(rig.physical[g], gen)
+        loads = [
+            BlockPages("b", [7, 8], [digest(1), digest(2)], 0),
+            BlockPages("b", [6, 7, 9], [digest(1), digest(2), digest(3)], 1),
+        ]
+        rig.forward(TieredKVMetadata(loads=loads))
+        assert rig.settle() == ({"b"}, set())
+        for b, d in ((7, 1), (8, 2)):
+            assert torch.equal(rig.page(0, b), want[(0, d)])
+        for b, d in ((6, 1), (7, 2), (9, 3)):
+            assert torch.equal(rig.page(1, b), want[(1, d)])
+    finally:
+        rig.worker.shutdown()
+
+
+def test_a_request_fails_whole_when_one_group_fails_or_it_is_doomed(tmp_path, gen):
+    rig = Rig(tmp_path, gen)
+    try:
+        rig.forward(TieredKVMetadata(saves=[BlockPages("a", [1], [digest(1)], 1)]))
+        rig.settle()
+        loads = [
+            BlockPages("b", [2], [digest(1)], 1),  # present
+            BlockPages("b", [3], [digest(1)], 0),  # the window group never saved it
+            BlockPages("c", [4], [digest(1)], 1),
+            BlockPages("d", [5], [digest(1)], 7),  # a group this rank holds no layers of
+        ]
+        rig.forward(TieredKVMetadata(loads=loads, doomed=["e"]))
+        finished, failed = rig.settle()
+        assert finished == {"b", "c", "d", "e"} and failed == {"b", "e"}
+        assert rig.worker.transfer_results() == (set(), set())  # each reported once
+    finally:
+        rig.worker.shutdown()
+
+
+def test_state_is_copied_at_bind_before_the_forward_changes_it(tmp_path, gen):
+    rig = Rig(tmp_path, gen)
+    try:
+        before = rig.page(2, 3).clone()
+        meta = TieredKVMetadata(state_saves=[BlockPages("q", [3], [digest(9)], 2)])
+        rig.worker.begin_saves(meta)
+        for p in rig.physical[2].values():  # the step's forward writes over the block
+            fill_bits_(p, gen)
+        rig.worker.wait_for_save()
+        rig.settle()
+        rig.forward(TieredKVMetadata(loads=[BlockPages("r", [6], [digest(9)], 2)]))
+        assert rig.settle() == ({"r"}, set())
+        assert torch.equal(rig.page(2, 6), before)
+        assert rig.worker.tiers[2].counters.snapshot()["saved_state_blocks"] == 1
+        assert rig.worker.tiers[2].counters.snapshot()["loaded_state_blocks"] == 1
+    finally:
+        rig.worker.shutdown()
