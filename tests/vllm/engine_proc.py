@@ -373,8 +373,12 @@ def _child(spec_path: str, out_path: str) -> None:
         disable_log_stats=False,
         # pipeline parallel needs enforce_eager off; Qwen3-Next runs in bfloat16 only; a hybrid
         # model with recurrent state picks its own block size (block_size None)
-        **{"dtype": "float32", "enforce_eager": True, "max_model_len": MAX_MODEL_LEN,
-           **spec["engine_args"]},  # fmt: skip
+        **{
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": MAX_MODEL_LEN,
+            **spec["engine_args"],
+        },  # fmt: skip
         **({"block_size": spec["block_size"]} if spec["block_size"] else {}),
     )
     ready = time.perf_counter()

@@ -119,7 +119,9 @@ def window_loads(hits: list[int]) -> tuple[int, int]:
     return need, skip
 
 
-def test_gemma3_later_turns_hit_with_only_in_window_pages(gemma_writer, gemma_baseline, gemma_turns):
+def test_gemma3_later_turns_hit_with_only_in_window_pages(
+    gemma_writer, gemma_baseline, gemma_turns
+):
     result, store, log = gemma_writer
     assert_same_outputs(result, gemma_baseline)
     hits = expected_hits(result, gemma_turns[0], GEMMA_BS)

@@ -49,8 +49,7 @@ class World:
 
     def __init__(self, *kinds: GroupKind, window: int = 64) -> None:
         plans = [
-            GroupPlan(i, k, BS, window if k is GroupKind.WINDOW else 0)
-            for i, k in enumerate(kinds)
+            GroupPlan(i, k, BS, window if k is GroupKind.WINDOW else 0) for i, k in enumerate(kinds)
         ]
         self.grid = GroupGrid(tuple(plans))
         self.have: dict[int, set[bytes]] = {i: set() for i in range(len(kinds))}
@@ -84,7 +83,9 @@ def test_a_window_hit_needs_only_the_in_window_pages(gen):
     n, is_async = w.sched.get_num_new_matched_tokens(req, 0)
     assert (n, is_async) == (6 * BS, True)
     # vLLM's allocation: window blocks before the window are the null block 0
-    w.sched.update_state_after_alloc(req, GroupBlocks(([0, 0, 0, 0, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7])), n)
+    w.sched.update_state_after_alloc(
+        req, GroupBlocks(([0, 0, 0, 0, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7])), n
+    )
     meta = w.sched.build_connector_meta(SchedulerOutput())
     by_group = {ld.group: ld for ld in meta.loads}
     assert by_group[0].blocks == [11, 12] and by_group[0].digests == [d[4], d[5]]
@@ -204,7 +205,10 @@ def test_random_worlds_never_offer_a_page_any_group_lacks(seed):
         return
     end = local + n
     ids = tuple(
-        [0 if b not in set(p.needed(local, end)) else 100 * (p.index + 1) + b for b in range(end // BS)]
+        [
+            0 if b not in set(p.needed(local, end)) else 100 * (p.index + 1) + b
+            for b in range(end // BS)
+        ]
         for p in w.grid.groups
     )
     w.sched.update_state_after_alloc(req, GroupBlocks(ids), n)

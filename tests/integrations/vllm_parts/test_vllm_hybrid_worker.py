@@ -71,9 +71,9 @@ def test_every_groups_pages_round_trip_byte_exact(tmp_path, gen):
         ]
         rig.forward(TieredKVMetadata(saves=saves))
         rig.settle()
-        want = {
-            (0, d): rig.page(0, b) for b, d in ((1, 1), (2, 2))
-        } | {(1, d): rig.page(1, b) for b, d in ((3, 1), (4, 2), (5, 3))}
+        want = {(0, d): rig.page(0, b) for b, d in ((1, 1), (2, 2))} | {
+            (1, d): rig.page(1, b) for b, d in ((3, 1), (4, 2), (5, 3))
+        }
         for g in (0, 1):
             refill_(rig.physical[g], gen)
         loads = [

@@ -307,7 +307,9 @@ def test_worker_reports_aggregate_by_rank_and_a_rank_must_agree(tmp_path, gen):
     b = TieredKVWorkerMeta({("r0", 0): RankReport(ns, 64, [(False, b"x" * 32), (True, b"y" * 32)])})
     c = TieredKVWorkerMeta({("r1", 0): RankReport(ns1, 64, [(True, b"z" * 32)])})
     merged = a.aggregate(b).aggregate(c)
-    assert merged.ranks[("r0", 0)].changes == a.ranks[("r0", 0)].changes + b.ranks[("r0", 0)].changes
+    assert (
+        merged.ranks[("r0", 0)].changes == a.ranks[("r0", 0)].changes + b.ranks[("r0", 0)].changes
+    )
     assert merged.ranks[("r1", 0)] == c.ranks[("r1", 0)]
     assert list(a.ranks[("r0", 0)].changes) == [(True, b"x" * 32)]  # the inputs stay as they were
     with pytest.raises(ValueError, match="two namespaces"):

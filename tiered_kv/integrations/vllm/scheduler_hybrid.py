@@ -65,7 +65,9 @@ class HybridSchedulerSide(SchedulerSide):
             return 0, False
         digests = self._digests(t, limit)
         end = self.grid.hit_end(
-            local, limit * bs, lambda g, blocks: self._present(g.index, [digests[b] for b in blocks])
+            local,
+            limit * bs,
+            lambda g, blocks: self._present(g.index, [digests[b] for b in blocks]),
         )
         if end <= local:
             return 0, False
@@ -94,7 +96,9 @@ class HybridSchedulerSide(SchedulerSide):
             if g.kind is GroupKind.WINDOW:
                 skipped += len(span) - len(real)
             blocks_g = [ids[i] for i in real]
-            parts.append(BlockPages(request.request_id, blocks_g, [t.digests[i] for i in real], g.index))
+            parts.append(
+                BlockPages(request.request_id, blocks_g, [t.digests[i] for i in real], g.index)
+            )
         if not complete:  # told vLLM these tokens are external: fail it, vLLM recomputes
             self._doomed.append(request.request_id)
             return
@@ -115,7 +119,9 @@ class HybridSchedulerSide(SchedulerSide):
         cached = out.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id, computed in scheduled:
-            meta.saves.extend(self._saves_of(req_id, computed + out.num_scheduled_tokens.get(req_id, 0)))
+            meta.saves.extend(
+                self._saves_of(req_id, computed + out.num_scheduled_tokens.get(req_id, 0))
+            )
         meta.state_saves = self._state_saves(getattr(out, "kv_connector_block_state", None))
         return meta
 
@@ -136,7 +142,9 @@ class HybridSchedulerSide(SchedulerSide):
             ids = per_group[g.index]
             idx = [i for i in range(t.saved, min(full, len(ids))) if ids[i] != NULL_BLOCK]
             if idx:
-                saves.append(BlockPages(req_id, [ids[i] for i in idx], [digests[i] for i in idx], g.index))
+                saves.append(
+                    BlockPages(req_id, [ids[i] for i in idx], [digests[i] for i in idx], g.index)
+                )
         t.saved = full
         return saves
 
