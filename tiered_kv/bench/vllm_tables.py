@@ -1,15 +1,32 @@
 """The text tables of ``bench_vllm`` (``vllm_turns``' rows): one row per configuration and turn,
-one per connector op and configuration, and the lines that say how vLLM's prefill was priced."""
+one per connector op and configuration, one per connector configuration of bytes loaded per hit
+token, and the lines that say how vLLM's prefill was priced."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tiered_kv.bench.vllm_turns import CostRow, PrefillCost, TurnRow
+from tiered_kv.bench.vllm_costs import ByteRow, CostRow, PrefillCost
+from tiered_kv.bench.vllm_turns import TurnRow
 
 TURN_HEADS = ["config", "turn", "reqs", "TTFT p50 ms", "TTFT p99 ms", "prompt tok", "prefill tok",
               "hit tok", "host blk", "store blk", "out tok/s", "wall s"]  # fmt: skip
 COST_HEADS = ["config", "op", "blocks", "us/block", "prefill/op"]
+BYTE_HEADS = ["config", "hit tok", "loaded MiB", "B/hit tok", "full B/tok", "loaded/full",
+              "window blk", "window skipped", "state blk loaded", "state blk saved",
+              "failed reqs"]  # fmt: skip
+BYTE_NOTE = (
+    "(bytes loaded per hit token: the connector's loaded_bytes, summed over its ranks, over the "
+    "tokens vLLM took from it (vllm:external_prefix_cache_hits); full B/tok: every layer with "
+    "per-token KV loaded in full, layers x KV heads x 2 x head size x dtype bytes; window blk / "
+    "window skipped: sliding-window pages loaded / out of the window, not loaded; state blk: "
+    "recurrent-state pages, counted within the loaded bytes)"
+)
+RESET_NOTE = (
+    "c tiered / d restart: vLLM's prefix caching on (its align mode for the recurrent state "
+    "needs it) and reset before every later turn, so their hits are the connector's; "
+    "a recompute: off; b vllm-pc / d restart+pc: on, never reset"
+)
 
 
 def turn_table(rows: Sequence[TurnRow]) -> list[list[object]]:
@@ -22,6 +39,15 @@ def turn_table(rows: Sequence[TurnRow]) -> list[list[object]]:
 
 def cost_table(rows: Sequence[CostRow]) -> list[list[object]]:
     return [[r.config, r.op, r.blocks, r.us_per_block, r.prefill_over_cost] for r in rows]
+
+
+def byte_table(rows: Sequence[ByteRow]) -> list[list[object]]:
+    return [
+        [r.config, r.hit_tokens, r.loaded_bytes / (1 << 20), r.bytes_per_token,
+         r.full_bytes_per_token, r.ratio, r.loaded_window_blocks, r.window_skipped_blocks,
+         r.loaded_state_blocks, r.saved_state_blocks, r.failed_load_requests]
+        for r in rows
+    ]  # fmt: skip
 
 
 def prefill_lines(p: PrefillCost | None, block_size: int) -> list[str]:

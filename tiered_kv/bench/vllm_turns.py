@@ -17,6 +17,13 @@ configurations (``CONFIGS``):
   the store. ``a`` and ``b`` run those turns too (``turns + restart_turns`` in all), ``c`` stops
   at ``turns``.
 
+Every engine of a run gets the same ``EngineSetup`` (``vllm_models``: model, dtype, block size,
+tensor parallelism and thread binding). For a model with recurrent state (Qwen3-Next: vLLM's
+``align`` mode needs prefix caching) ``c tiered`` and ``d restart`` run with vLLM's prefix
+caching on and reset between turns (``Config.caching``), so their later turns' hits are still
+the connector's (vLLM's cache reset leaves the connector's tiers as they are); ``a`` stays
+prefix caching off, ``b`` and ``d restart+pc`` on without a reset.
+
 Per configuration and turn: TTFT p50 / p99 (vLLM's per-request ``first_token_latency``, arrival
 to first token, so a batch's later requests wait for its earlier prefills; p99 is nearest rank,
 the slowest request below 100), prefill tokens computed (prompt tokens minus
@@ -31,7 +38,10 @@ block is measured in ``a``'s engine after its turns: single prompts of ``calibra
 tokens, one at a time, one output token each, ``calibrate_repeats`` times; the marginal cost is
 the least-squares slope of median TTFT over prompt length (times the block size), the mean
 cost the longest prompt's median TTFT over its blocks. Counters come from the engine's
-Prometheus registry (``vllm_engine``).
+Prometheus registry (``vllm_engine``). Bytes per hit token (``vllm_costs.byte_row``): the
+connector's ``loaded_bytes`` over the tokens vLLM took from it, against every KV layer loaded in
+full (``vllm_models.kv_bytes_per_token`` of the model's ``config.json``): a sliding-window layer
+loads only its in-window pages.
 
 The whole sequence runs ``rounds`` times (fresh engines and stores each round); a row is the
 median over rounds of each figure, a cost the median of the rounds' costs, and the calibration
@@ -40,9 +50,9 @@ times over, and an engine process cannot be interleaved with another."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
-import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,7 +60,18 @@ from pathlib import Path
 
 from tiered_kv.bench import machine
 from tiered_kv.bench.timing import median, nearest_rank
-from tiered_kv.bench.vllm_engine import follow, run_engine
+from tiered_kv.bench.vllm_costs import (
+    ByteRow,
+    CostRow,
+    PrefillCost,
+    byte_row,
+    cost_rows,
+    median_byte_row,
+    prefill_cost,
+    with_ratios,
+)
+from tiered_kv.bench.vllm_engine import EngineError, follow, run_engine
+from tiered_kv.bench.vllm_models import EngineSetup, kv_bytes_per_token
 
 FIRST_ID = 3  # below: <s>, </s>, <pad>
 HOST_BYTES = 256 << 20
@@ -106,6 +127,14 @@ class Config:
     prefix_caching: bool
     restart: bool = False
 
+    def caching(self, resets: bool) -> tuple[bool, bool]:
+        """(vLLM's prefix caching on, reset before every later turn) of this engine; ``resets``
+        (``EngineSetup.resets_prefix_cache``): a connector engine without vLLM's prefix caching
+        runs with it on and reset instead."""
+        if resets and self.connector and not self.prefix_caching:
+            return True, True
+        return self.prefix_caching, False
+
 
 CONFIGS = (
     Config("a recompute", False, False),
@@ -136,27 +165,6 @@ class TurnRow:
 
 
 @dataclass
-class CostRow:
-    """The connector's microseconds per block of one op, and vLLM's prefill per block over it."""
-
-    config: str
-    op: str
-    blocks: int
-    us_per_block: float | None
-    prefill_over_cost: float | None
-
-
-@dataclass
-class PrefillCost:
-    """vLLM's own prefill cost per block, from single requests of several prompt lengths."""
-
-    lengths: list[int]
-    median_ttft_ms: list[float]
-    marginal_us_per_block: float
-    mean_us_per_block: float
-
-
-@dataclass
 class VllmResult:
     rows: list[TurnRow]
     costs: list[CostRow]
@@ -165,6 +173,8 @@ class VllmResult:
     loads: dict = field(default_factory=dict)
     rounds: int = 1
     per_round: list[TurnRow] = field(default_factory=list)
+    bytes: list[ByteRow] = field(default_factory=list)
+    setup: EngineSetup = field(default_factory=EngineSetup)
 
 
 def kv_config(store: Path, model_id: str) -> dict:
@@ -205,61 +215,11 @@ def turn_row(config: str, turn: int, result: dict, before: dict) -> TurnRow:
     )  # fmt: skip
 
 
-def prefill_cost(calibrate: Sequence[dict], block_size: int) -> PrefillCost | None:
-    by_len: dict[int, list[float]] = {}
-    for c in calibrate:
-        by_len.setdefault(c["prompt_tokens"], []).append(c["ttft_s"])
-    if len(by_len) < 2:
-        return None
-    lengths = sorted(by_len)
-    ttft = [median(by_len[n]) for n in lengths]
-    slope, _ = statistics.linear_regression(lengths, ttft)
-    return PrefillCost(
-        lengths, [t * 1e3 for t in ttft], slope * block_size * 1e6,
-        ttft[-1] / (lengths[-1] / block_size) * 1e6,
-    )  # fmt: skip
-
-
-COST_OPS = (  # (op, timing counters, block counters)
-    ("store read", ("store_read_us",), ("loaded_store_blocks",)),
-    ("host->block copy", ("load_copy_us",), ("loaded_host_blocks", "loaded_store_blocks")),
-    ("block->host copy", ("save_copy_us",), ("saved_blocks",)),
-    ("store write", ("store_write_us",), ("store_written_blocks", "store_write_failed_blocks")),
-)
-
-
-COMBINED = (("load from store", "store read", "host->block copy"),
-            ("save", "block->host copy", "store write"))  # fmt: skip
-
-
-def cost_rows(config: str, counters: dict) -> list[CostRow]:
-    """The connector's microseconds per block for each op that moved a block (no ratio)."""
-    rows = []
-    for op, times, blocks in COST_OPS:
-        n = int(sum(counters.get(b, 0) for b in blocks))
-        if n:
-            rows.append(CostRow(config, op, n, sum(counters.get(t, 0) for t in times) / n, None))
-    return rows
-
-
-def with_ratios(rows: Sequence[CostRow], prefill_us: float | None) -> list[CostRow]:
-    """``rows`` and each config's combined ops (``COMBINED``: the sum of its parts' costs per
-    block, over the blocks of the first), each with vLLM's prefill per block over its cost."""
-    out, by = list(rows), {(r.config, r.op): r for r in rows}
-    for config in dict.fromkeys(r.config for r in rows):
-        for op, first, second in COMBINED:
-            a, b = by.get((config, first)), by.get((config, second))
-            if a is not None and b is not None:
-                out.append(CostRow(config, op, a.blocks, a.us_per_block + b.us_per_block, None))
-    for r in out:
-        if prefill_us is not None and r.us_per_block and r.us_per_block > 0:
-            r.prefill_over_cost = prefill_us / r.us_per_block
-    order = [c.name for c in CONFIGS]
-    return sorted(out, key=lambda r: order.index(r.config))
-
-
-def _run_config(cfg, w, model_dir, round_dir: Path, c_result, *, model_id, **engine) -> dict:
-    """One configuration's engine (a restart continues ``c_result``'s conversations)."""
+def _run_config(
+    cfg, w, model_dir, round_dir: Path, c_result, *, model_id, setup: EngineSetup, **engine
+) -> dict:
+    """One configuration's engine (a restart continues ``c_result``'s conversations); an
+    ``EngineError`` where vLLM ran with another block size than the workload's."""
     first, appends = w.tokens()
     store = round_dir / ("store-" + cfg.name.replace(" ", "-").replace("+", "-"))
     if cfg.restart:
@@ -269,12 +229,21 @@ def _run_config(cfg, w, model_dir, round_dir: Path, c_result, *, model_id, **eng
         shutil.copytree(round_dir / "store-c-tiered", store)
     else:
         specs = _turn_specs(w, first, appends, 0, w.turns if cfg.connector else w.all_turns)
-    return run_engine(
-        model_dir, specs, max_tokens=w.output_tokens, block_size=w.block_size,
+    caching, reset = cfg.caching(setup.resets_prefix_cache)
+    log = round_dir / (store.name.removeprefix("store-") + ".log")
+    result = run_engine(
+        model_dir, specs, max_tokens=w.output_tokens, block_size=setup.engine_block_size,
         kv_transfer_config=kv_config(store, model_id) if cfg.connector else None,
-        enable_prefix_caching=cfg.prefix_caching,
-        log_path=round_dir / (store.name.removeprefix("store-") + ".log"), **engine,
+        enable_prefix_caching=caching, reset_prefix_cache=reset,
+        engine_args=setup.engine_args(), env=setup.env(), multiprocessing=setup.multiprocessing,
+        log_path=log, **engine,
     )  # fmt: skip
+    if result.get("block_size") != w.block_size:
+        raise EngineError(
+            f"{cfg.name}: vLLM ran with block size {result.get('block_size')}, the workload "
+            f"prices and counts blocks of {w.block_size}: give the workload vLLM's (log: {log})"
+        )
+    return result
 
 
 def _round(w, model_dir, round_dir: Path, calibrate, parallel: bool, engine: dict, say):
@@ -325,17 +294,27 @@ def measure_vllm(
     rounds: int = 1,
     calibrate_lengths: Sequence[int] = (128, 256, 512, 768, 1024),
     calibrate_repeats: int = 3,
-    multiprocessing: bool = False,
+    setup: EngineSetup | None = None,
     timeout: float = 600.0,
     parallel: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> VllmResult:
     """``rounds`` rounds of every configuration of ``CONFIGS``, each in its own engine process,
     one after another; a row is the median over rounds (``per_round`` keeps each).
-    ``parallel`` runs the engines of a round at once (the restarts after the rest), for tests:
-    their timings then measure each other."""
+    ``setup`` (default: a float32 Llama's, blocks of ``workload.block_size``) is every
+    engine's; its block size must be the workload's (ValueError). ``parallel`` runs the engines
+    of a round at once (the restarts after the rest), for tests: their timings then measure
+    each other."""
     say = progress or (lambda _msg: None)
     w, work = workload, Path(workdir)
+    setup = setup or EngineSetup(block_size=w.block_size)
+    if setup.block_size != w.block_size:
+        raise ValueError(
+            f"setup.block_size={setup.block_size} but workload.block_size={w.block_size}: "
+            "the workload prices and counts the engines' blocks, give both the same"
+        )
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    full_per_token = kv_bytes_per_token(hf_config, setup.dtype)
     rng = random.Random(f"{w.seed}:calibrate")
     calibrate = [
         [rng.randrange(FIRST_ID, w.vocab) for _ in range(n)]
@@ -344,10 +323,11 @@ def measure_vllm(
     ]
     longest = max(w.max_model_len(), max(calibrate_lengths, default=0) + 1)
     engine = {"max_model_len": -(-longest // w.block_size) * w.block_size, "model_id": model_id,
-              "multiprocessing": multiprocessing, "timeout": timeout}  # fmt: skip
+              "setup": setup, "timeout": timeout}  # fmt: skip
     watch = machine.LoadWatch()
     rows: list[TurnRow] = []
     costs: list[CostRow] = []
+    hit_bytes: list[ByteRow] = []
     samples: list[dict] = []
     engines: dict[str, dict] = {}
     for n in range(rounds):
@@ -363,6 +343,7 @@ def measure_vllm(
                 before = turn["counters"]
             if cfg.connector:
                 costs += cost_rows(cfg.name, result["final_counters"])
+                hit_bytes.append(byte_row(cfg.name, result["final_counters"], full_per_token))
             samples += result["calibrate"]
             engines[f"{cfg.name} #{n + 1}"] = {
                 "startup_s": result["startup_s"], "torch_threads": result["torch_threads"],
@@ -383,4 +364,5 @@ def measure_vllm(
         with_ratios(_median_rows(costs, lambda r: (r.config, r.op), median_cost), prefill_us),
         prefill,
         engines, watch.finish(), rounds, rows,
+        _median_rows(hit_bytes, lambda r: r.config, median_byte_row), setup,
     )  # fmt: skip

@@ -6,6 +6,7 @@ bind time, before the step's forward may change the block."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 
@@ -16,6 +17,7 @@ from tiered_kv.integrations.vllm.tiers import ConnectorTiers
 from tiered_kv.integrations.vllm.worker_hybrid import HybridWorkerSide
 
 from ._kv import fill_bits_, make_caches, page_bytes, refill_
+from .test_vllm_tiers import Faults
 
 NB, H, BS, D = 10, 2, 4, 6
 KIND = "LBHNC"
@@ -125,4 +127,56 @@ def test_state_is_copied_at_bind_before_the_forward_changes_it(tmp_path, gen):
         assert rig.worker.tiers[2].counters.snapshot()["saved_state_blocks"] == 1
         assert rig.worker.tiers[2].counters.snapshot()["loaded_state_blocks"] == 1
     finally:
+        rig.worker.shutdown()
+
+
+def test_random_faults_never_finish_a_request_with_wrong_bytes(tmp_path, gen):
+    """Faults at random in every group's store and copies (``Faults``: failed reads and writes,
+    damaged values, copies failing before or after they ran): a request reported finished and
+    not failed holds, in every group, exactly the pages saved; no pin leaks."""
+    rng = random.Random(int(torch.randint(1 << 30, (1,), generator=gen)))
+    rig = Rig(tmp_path, gen)
+    faults = [Faults(t, rng, gen) for t in rig.worker.tiers.values()]
+    truth: dict[tuple[int, bytes], torch.Tensor] = {}
+    served = failed_total = 0
+    try:
+        for step in range(150):
+            if rng.random() < 0.5:  # a step saving 1-3 pages in each group
+                saves, state = [], []
+                for g in GROUP_LAYERS:
+                    refill_(rig.physical[g], gen)
+                    blocks = rng.sample(range(1, NB), rng.randint(1, 3))
+                    digests = [digest(rng.randrange(40)) for _ in blocks]
+                    if len(set(digests)) != len(digests) or any((g, d) in truth for d in digests):
+                        continue
+                    for b, d in zip(blocks, digests, strict=True):
+                        truth[(g, d)] = rig.page(g, b)
+                    part = BlockPages(f"s{step}", blocks, digests, g)
+                    (state if g == 2 else saves).append(part)
+                rig.forward(TieredKVMetadata(saves=saves, state_saves=state))
+            else:  # a request loading a page of each group
+                loads = []
+                for g in GROUP_LAYERS:
+                    known = [d for (gg, d) in truth if gg == g]
+                    d = rng.choice(known) if known and rng.random() < 0.9 else digest(200)
+                    loads.append(BlockPages(f"r{step}", [rng.randrange(1, NB)], [d], g))
+                for g in GROUP_LAYERS:
+                    refill_(rig.physical[g], gen)
+                rig.forward(TieredKVMetadata(loads=loads))
+                finished, failed = rig.settle()
+                assert finished == {f"r{step}"}
+                if failed:
+                    failed_total += 1
+                    continue
+                served += 1
+                for ld in loads:
+                    got = rig.page(ld.group, ld.blocks[0])
+                    assert torch.equal(got, truth[(ld.group, ld.digests[0])]), f"step {step}"
+        for t in rig.worker.tiers.values():
+            t.drain()
+            assert t.slots.counts()["pinned"] == 0
+        assert served > 0 and failed_total > 0
+    finally:
+        for f in faults:
+            f.on = False
         rig.worker.shutdown()
