@@ -89,6 +89,17 @@ def test_hybrid_groups_are_served_and_their_limits_refused_by_name():
     with pytest.raises(InvalidArgumentError, match="mamba_cache_mode='none'.*--enable-prefix"):
         none = spec_of("MambaSpec", 32, mamba_cache_mode="none")
         check_engine(*engine(specs=[none, full]), settings("async"))
+    mamba2 = spec_of(
+        "MambaSpec", 32, mamba_cache_mode="align", mamba_type=SimpleNamespace(name="MAMBA2")
+    )
+    config, kv = engine(specs=[mamba2, full])
+    with pytest.raises(InvalidArgumentError, match="mamba_type=MAMBA2.*CPU build"):
+        check_engine(
+            SimpleNamespace(**vars(config), device_config=SimpleNamespace(device_type="cpu")),
+            kv,
+            settings("async"),
+        )
+    assert check_engine(config, kv, settings("async")).hybrid  # a GPU build serves it
     with pytest.raises(InvalidArgumentError, match=r"block sizes \[16, 32\]"):
         check_engine(*engine(specs=[spec_of("FullAttentionSpec", 16), full]), settings("async"))
 

