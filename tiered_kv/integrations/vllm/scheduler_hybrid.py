@@ -111,7 +111,7 @@ class HybridSchedulerSide(SchedulerSide):
         for req_id, parts in self._loads.items():
             meta.loads.extend(parts)
             self._in_flight[req_id] = parts
-            self.hit_tokens += len(parts[0].digests) * self.block_size if parts else 0
+            self.hit_tokens += max((len(p.digests) for p in parts), default=0) * self.block_size
         self._loads.clear()
         for req_id in getattr(out, "preempted_req_ids", None) or ():
             self._in_flight.pop(req_id, None)
