@@ -149,3 +149,81 @@ def test_namespace_tells_every_geometry_and_identity_apart(gen):
     }
     assert len(set(seen.values())) == len(seen), seen
     assert _fingerprint(base, kv_cache_dtype="auto") == seen["base"]
+
+
+# -- hybrid groups: state rows, split kernel blocks, groups on one rank ------------------------
+
+
+def _state_buffer(gen, nb: int, page: int, content: int, layers: int):
+    """``layers`` raw int8 state views ``[nb, 1, 1, content]`` over one buffer, ``page`` bytes
+    per block (vLLM's padded Mamba pages), each layer a region of ``nb`` pages."""
+    buf = torch.randint(-128, 127, (layers * nb * page,), generator=gen, dtype=torch.int8)
+    views = [
+        torch.as_strided(buf, (nb, 1, 1, content), (page, content, content, 1), i * nb * page)
+        for i in range(layers)
+    ]
+    return buf, views
+
+
+def test_state_rows_are_whole_padded_pages(gen):
+    from tiered_kv.integrations.vllm.block_layout import state_rows
+
+    buf, views = _state_buffer(gen, NB, 96, 70, 2)
+    for i, v in enumerate(views):
+        rows = state_rows(v, NB, f"model.layers.{i}.linear_attn")
+        assert rows.shape == (NB, 96)
+        for b in range(NB):
+            start = (i * NB + b) * 96
+            assert torch.equal(rows[b], buf[start : start + 96])
+    with pytest.raises(InvalidArgumentError, match="raw int8 pages"):
+        state_rows(views[0].view(torch.uint8), NB, "x")
+    with pytest.raises(InvalidArgumentError, match="raw int8 pages"):
+        state_rows(views[0], NB + 1, "x")
+    short = torch.as_strided(buf, (NB, 1, 1, 70), (96, 70, 70, 1), buf.numel() - NB * 96 + 1)
+    with pytest.raises(InvalidArgumentError, match="not one run"):
+        state_rows(short, NB, "x")
+
+
+def test_split_kernel_blocks_are_one_row_per_vllm_block(gen):
+    caches, physical = make_caches("LBHNC", [0, 1], 2 * NB, H, N, D, gen)
+    layout = describe_layers(caches, NB)
+    assert layout.layout == "LBHNCx2" and layout.block_size == 2 * N
+    assert layout.num_blocks == NB and layout.row_elems == 2 * H * N * 2 * D
+    for b in range(NB):
+        want = torch.cat([page_bytes("LBHNC", {i: physical[i]}, k) for i in (0, 1)
+                          for k in (2 * b, 2 * b + 1)])  # fmt: skip
+        assert torch.equal(rows_bytes(layout, b), want)
+
+
+def test_groups_on_one_rank(gen):
+    from types import SimpleNamespace
+
+    from tiered_kv.integrations.vllm.block_layout import describe_groups
+    from tiered_kv.integrations.vllm.groups import GroupGrid, GroupKind, GroupPlan
+
+    attn, _ = make_caches("LBHNC", [1, 3], NB, H, N, D, gen)
+    _, states = _state_buffer(gen, NB, 96, 70, 2)
+    kv = dict(attn)
+    kv["model.layers.0.linear_attn"], kv["model.layers.2.linear_attn"] = states
+    kv[layer_name(5)] = attn[layer_name(1)]  # a KV-sharing layer: in no group, not stored twice
+    spec = SimpleNamespace(shapes=((3, 8), (2, 4)), dtypes=(torch.bfloat16, torch.bfloat16))
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=[f"model.layers.{i}.linear_attn" for i in (0, 2)],
+                            kv_cache_spec=spec),
+            SimpleNamespace(layer_names=[layer_name(1), layer_name(3)], kv_cache_spec=None),
+            SimpleNamespace(layer_names=[layer_name(7)], kv_cache_spec=None),  # another stage's
+        ]
+    )  # fmt: skip
+    grid = GroupGrid(
+        (GroupPlan(0, GroupKind.STATE, N), GroupPlan(1, GroupKind.FULL, N),
+         GroupPlan(2, GroupKind.WINDOW, N, 8))
+    )  # fmt: skip
+    out = describe_groups(kv, config, grid, NB)
+    assert sorted(out) == [0, 1]
+    assert out[0].kind == "vllm-state" and out[0].layer_ids == (0, 2)
+    assert out[0].layout.startswith("RAW") and "bfloat16" in out[0].layout
+    assert out[0].page_nbytes == 2 * 96
+    assert out[1].kind == "vllm-attention" and out[1].layer_ids == (1, 3)
+    ns = [out[g].namespace(model="m@1", rank=None, tenant=None, kv_scales=None) for g in (0, 1)]
+    assert ns[0] != ns[1]
