@@ -173,11 +173,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
             calibrate_repeats=args.calibrate_repeats, setup=setup, rounds=args.rounds,
             progress=print,
         )  # fmt: skip
+    # None where the worker is a process of its own (multiprocessing): not read from here
     threads = sorted({str(e["torch_threads"]) for e in result.engines.values()})
+    threads_text = "in the workers, not read" if threads == ["None"] else ", ".join(threads)
     startup = median([e["startup_s"] for e in result.engines.values()])
-    print(f"{described}; engines' torch threads {', '.join(threads)} (None: in the worker "
-          f"processes), median startup {startup:.1f} s; every engine: "
-          f"{setup.layout_line(os.environ)}")  # fmt: skip
+    print(f"{described}; engines' torch threads {threads_text}, median startup {startup:.1f} s; "
+          f"every engine: {setup.layout_line(os.environ)}")  # fmt: skip
     if setup.resets_prefix_cache:
         print(tables.RESET_NOTE)
     print(f"workload: {w.conversations} conversations, system {w.system_tokens} + context "

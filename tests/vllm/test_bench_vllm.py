@@ -1,6 +1,7 @@
 """``benchmarks/bench_vllm.py``'s measuring function at its smallest: every configuration runs in
 its own engine, the table has a row per configuration and turn, the connector's later turns
-compute fewer prefill tokens than recomputing, and the restarted engine loads from the store."""
+compute fewer prefill tokens than recomputing, the restarted engine loads from the store, and
+the connector's bytes per hit token are the Llama's every layer in full."""
 
 from __future__ import annotations
 
@@ -43,3 +44,8 @@ def test_bench_vllm_smallest(tiny_model, tmp_path):
     assert all(c.us_per_block is not None and c.us_per_block > 0 for c in result.costs)
     assert result.prefill is not None and result.prefill.lengths == [64, 160]
     assert all(c.prefill_over_cost is not None for c in result.costs)
+    # a Llama's hit loads every layer in full: 2 layers x 2 KV heads x (K, V) 32 x float32
+    hit = {b.config: b for b in result.bytes}
+    assert list(hit) == ["c tiered", "d restart", "d restart+pc"]
+    assert hit["c tiered"].hit_tokens == sum(rows["c tiered", t].hit_tokens for t in (1, 2))
+    assert all(b.full_bytes_per_token == 2 * 2 * 2 * 32 * 4 and b.ratio == 1 for b in hit.values())
