@@ -372,3 +372,50 @@ def test_a_page_counts_only_where_every_rank_holds_it(tmp_path, gen):
         sched.close()
         for t in ranks.values():
             t.close()
+
+
+def test_hybrid_presence_is_per_rank_and_group(tmp_path, gen):
+    """Two pipeline stages: stage 0 holds groups 0 and 1, stage 1 only group 1 (its layers of
+    group 0 are elsewhere). A page of group 1 counts only where both stages hold it; a page of
+    group 0 only needs stage 0; a group no rank reported is never present."""
+    import dataclasses
+
+    settings = _settings(tmp_path)
+    tiers = {}
+    for rank, groups in (("tp0of1-pp0of2", (0, 1)), ("tp0of1-pp1of2", (1,))):
+        for g in groups:
+            caches, _ = make_caches("LBHNC", [g + 10 * len(tiers)], 9, 1, BS, 8, gen)
+            kind = "vllm-window" if g == 0 else "vllm-attention"
+            layout = dataclasses.replace(describe_layers(caches, 9), kind=kind)
+            tiers[(rank, g)] = ConnectorTiers(settings, layout, rank=rank, num_slots=3)
+    sched = SchedulerTiers(settings, world_size=2)
+    try:
+        d = digests_of(Request("r", tokens(gen, 6 * BS)), BS)
+
+        def save(key, blocks, digests):
+            t = tiers[key]
+            t.finish_save(t.begin_save(blocks, digests)).result()
+
+        save(("tp0of1-pp0of2", 0), [1, 2], [d[0], d[2]])
+        save(("tp0of1-pp0of2", 1), [1, 2, 3], d[:3])
+        save(("tp0of1-pp1of2", 1), [4, 5], [d[0], d[2]])
+        reports = {
+            key: RankReport(t.namespace, t.layout.page_nbytes, t.slots.take_changes(), key[1])
+            for key, t in tiers.items()
+        }
+        sched.apply(
+            TieredKVWorkerMeta({k: v for k, v in reports.items() if k[0].endswith("pp0of2")})
+        )
+        assert not sched.ready and sched.present(1, d[:3]) == [False] * 3
+        sched.apply(
+            TieredKVWorkerMeta({k: v for k, v in reports.items() if k[0].endswith("pp1of2")})
+        )
+        assert sched.ready
+        assert sched.present(0, d[:4]) == [True, False, True, False]  # stage 0 alone
+        assert sched.present(1, d[:4]) == [True, False, True, False]  # both: d[1] on one only
+        assert sched.lookup(d[:4], 1) == (1, 0)
+        assert sched.present(2, d[:2]) == [False, False]  # nobody holds a group 2
+    finally:
+        sched.close()
+        for t in tiers.values():
+            t.close()
