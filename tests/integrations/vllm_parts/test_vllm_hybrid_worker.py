@@ -1,7 +1,7 @@
 """The hybrid worker half (``HybridWorkerSide``) over real per-group tiers: each group's pages
 are saved from its own layers and loaded back byte-exact into other blocks; a request fails as
-a whole when any group's part fails or the scheduler doomed it; recurrent state is copied at
-bind time, before the step's forward may change the block."""
+a whole when any group's part fails or the scheduler doomed it; recurrent state is copied
+after the forward of the step that offers it (the forward that computes it)."""
 
 from __future__ import annotations
 
@@ -111,19 +111,21 @@ def test_a_request_fails_whole_when_one_group_fails_or_it_is_doomed(tmp_path, ge
         rig.worker.shutdown()
 
 
-def test_state_is_copied_at_bind_before_the_forward_changes_it(tmp_path, gen):
+def test_state_is_copied_after_the_forward_that_computes_it(tmp_path, gen):
+    """vLLM offers a boundary's state in the step whose forward computes it: what is stored is
+    the block after that forward, never what it held before."""
     rig = Rig(tmp_path, gen)
     try:
-        before = rig.page(2, 3).clone()
         meta = TieredKVMetadata(state_saves=[BlockPages("q", [3], [digest(9)], 2)])
         rig.worker.begin_saves(meta)
-        for p in rig.physical[2].values():  # the step's forward writes over the block
+        for p in rig.physical[2].values():  # the step's forward writes the state
             fill_bits_(p, gen)
+        after = rig.page(2, 3).clone()
         rig.worker.wait_for_save()
         rig.settle()
         rig.forward(TieredKVMetadata(loads=[BlockPages("r", [6], [digest(9)], 2)]))
         assert rig.settle() == ({"r"}, set())
-        assert torch.equal(rig.page(2, 6), before)
+        assert torch.equal(rig.page(2, 6), after)
         assert rig.worker.tiers[2].counters.snapshot()["saved_state_blocks"] == 1
         assert rig.worker.tiers[2].counters.snapshot()["loaded_state_blocks"] == 1
     finally:

@@ -18,8 +18,8 @@ reuses):
   again) and its blocks are saved anew.
 - **Saves**: blocks of attention groups in the step that makes them full, null blocks (out of
   a window) skipped, never waited for; recurrent state only where vLLM offers a block boundary's
-  state (``scheduler_output.kv_connector_block_state``), copied by the worker before the step's
-  forward.
+  state (``scheduler_output.kv_connector_block_state``), copied by the worker after the
+  forward of the step that carries the offer (that forward computes it).
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ rank holds layers of (a pipeline stage may hold none of a group), loads always a
   load errors with several groups, and recomputes a failed request from its start.
 - Saves of attention groups: as in ``WorkerSide``, copied layer by layer inside the forward
   (``save_kv_layer``), named and written at ``wait_for_save``.
-- Saves of recurrent state: copied whole at ``bind_connector_metadata``, before the forward.
-  vLLM offers a boundary's state in the step after it was computed, and the block is not
-  written by that step (the running state moves on in another block), so the bytes copied are
-  the state at the boundary. Linear-attention layers never call ``save_kv_layer``.
+- Saves of recurrent state: copied whole at ``wait_for_save``, after the step's forward.
+  vLLM offers a boundary's block when it schedules the tokens that end at the boundary (its
+  ``cache_blocks`` runs at allocation), so the state is written by the very forward of the
+  step that carries the offer: copied before it, the bytes would be whatever the block held
+  (zeros, or a state of an earlier request); after it, they are the state at the boundary, and
+  no later step writes the block (the running state moves on in another block).
+  Linear-attention layers never call ``save_kv_layer``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class HybridWorkerSide:
         self._loads: dict[str, list[Future]] = {}
         self._doomed: set[str] = set()
         self._pending: dict[int, list[BlockPages]] = {}  # the step's saves, by group
+        self._states: list[BlockPages] = []  # the step's state saves, copied after its forward
         self._saves: dict[int, SaveCopy] = {}
         self._writes: list[Future] = []
 
@@ -68,16 +72,13 @@ class HybridWorkerSide:
 
     # -- saves ------------------------------------------------------------------------------
     def begin_saves(self, meta: TieredKVMetadata) -> None:
-        """The step's attention saves noted (slots taken at their group's first layer saved);
-        its recurrent-state saves copied now, before the forward, and handed to the store."""
+        """The step's saves noted: attention groups' slots are taken at their group's first
+        layer saved, recurrent states are copied at ``wait_for_save``."""
         self._pending, self._saves = {}, {}
         for s in meta.saves:
             if s.group in self.tiers:
                 self._pending.setdefault(s.group, []).append(s)
-        for s in meta.state_saves:
-            tiers = self.tiers.get(s.group)
-            if tiers is not None:
-                self._finish(tiers, tiers.begin_save(s.blocks, s.digests))
+        self._states = [s for s in meta.state_saves if s.group in self.tiers]
 
     def _started(self, group: int) -> SaveCopy | None:
         pending = self._pending.pop(group, None)
@@ -102,6 +103,11 @@ class HybridWorkerSide:
         for group, save in self._saves.items():
             self._finish(self.tiers[group], save)
         self._saves = {}
+        # Hazard: the forward that just ran wrote these states; they are final now.
+        for s in self._states:
+            tiers = self.tiers[s.group]
+            self._finish(tiers, tiers.begin_save(s.blocks, s.digests))
+        self._states = []
         self._writes = [f for f in self._writes if not f.done()]
 
     def _finish(self, tiers: ConnectorTiers, save: SaveCopy) -> None:
