@@ -1,4 +1,5 @@
-"""TieredKVConnector, tensor parallel 2: two workers, one KV head each (``parallel_cases``)."""
+"""TieredKVConnector, tensor parallel 2: two workers, one KV head each (``parallel_cases``); its
+second engine over the store has one rank's shard damaged (a clean second engine: PP)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 from tests.vllm.parallel_cases import (  # the cases and their fixtures, collected here
     baseline,
     convo,
-    test_a_second_engine_serves_every_shard_from_the_store,
     test_later_turns_hit_what_every_rank_computed,
     test_one_ranks_damaged_pages_are_recomputed_on_every_rank,
     writer,
@@ -18,7 +18,6 @@ __all__ = [
     "convo",
     "writer",
     "test_later_turns_hit_what_every_rank_computed",
-    "test_a_second_engine_serves_every_shard_from_the_store",
     "test_one_ranks_damaged_pages_are_recomputed_on_every_rank",
 ]
 

@@ -166,11 +166,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = WorkerSide(tiers, self.settings.load_async)
         self._stats = StatsDelta(tiers.counters)
         log.info(
-            "TieredKVConnector%s: %d layers, %s blocks of %d tokens, %d host pages of %d bytes, "
-            "store %s",
+            "TieredKVConnector%s: %d layers, %s blocks of %d tokens, %d host pages of %d bytes "
+            "(faulted in: %.0f ms), store %s",
             f" rank {self._rank}" if self._rank else "",
             len(layout.layer_ids), layout.layout, layout.block_size, tiers.pages.num_pages,
-            layout.page_nbytes, self.settings.storage.storage_backend,
+            layout.page_nbytes, tiers.pages.warm_seconds * 1e3,
+            self.settings.storage.storage_backend,
         )  # fmt: skip
 
     def _register_groups(self, kv_caches) -> None:
@@ -188,14 +189,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = StatsDelta(*(t.counters for t in tiers.values()))
         log.info(
             "TieredKVConnector%s: KV cache groups %s, blocks of %d tokens, %d host pages per "
-            "group, store %s",
+            "group (faulted in: %.0f ms), store %s",
             f" rank {self._rank}" if self._rank else "",
             ", ".join(
                 f"{g}:{t.layout.kind.removeprefix('vllm-')} x{len(t.layout.layer_ids)} layers "
                 f"({t.layout.page_nbytes} B/page)"
                 for g, t in tiers.items()
             ),
-            self._block_size, slots, self.settings.storage.storage_backend,
+            self._block_size, slots, sum(t.pages.warm_seconds for t in tiers.values()) * 1e3,
+            self.settings.storage.storage_backend,
         )  # fmt: skip
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

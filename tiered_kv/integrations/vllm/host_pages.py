@@ -35,6 +35,7 @@ class HostPages:
         self._buffer = HostBuffer(shape, layout.dtype, pin=None)
         self.buffer = self._buffer.live()
         self.num_pages = num_slots
+        self.warm_seconds = self._buffer.warm_seconds  # faulted in when built (HostBuffer)
         device = layout.rows[0][0].device
         self._device, self._cuda = device, device.type == "cuda"
         self._launch = transfer_kernels(device).transfer_rows
