@@ -38,6 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.integrations.vllm.block_layout import describe_groups, describe_layers
+from tiered_kv.integrations.vllm.cpu_reserve import warn_once
 from tiered_kv.integrations.vllm.engine_check import check_engine
 from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVMetadata, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_hybrid import HybridSchedulerSide
@@ -91,6 +92,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._sched_tiers: SchedulerTiers | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_once(vllm_config, log)  # vLLM's CPU build may leave its engine core no core
             pc = vllm_config.parallel_config
             world = pc.tensor_parallel_size * pc.pipeline_parallel_size
             self._sched_tiers = SchedulerTiers(self.settings, world_size=world)
