@@ -194,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
           "TTFT = vLLM's first_token_latency, p99 nearest rank; prefill tok = prompt - "
           "num_cached_tokens; host / store blk = blocks the connector loaded from its host "
           "tier / its store)")  # fmt: skip
+    print("\n".join(tables.goal_lines(result.rows, w.turns)))
     print(report.auto_table(tables.COST_HEADS, tables.cost_table(result.costs)))
     print("\n".join(tables.prefill_lines(result.prefill, w.block_size)))
     print(report.auto_table(tables.BYTE_HEADS, tables.byte_table(result.bytes)))

@@ -79,6 +79,8 @@ def test_engine_setup(model, tp):
     assert s.engine_args().get("tensor_parallel_size", 1) == tp
     assert s.env() == ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {})
     assert f"tensor parallel {tp}" in s.layout_line({})
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=unset" in s.layout_line({})
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1," in s.layout_line({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
     if model == "qwen3-next":
         assert (s.dtype, s.block_size, s.engine_block_size) == ("bfloat16", 384, None)
         assert s.resets_prefix_cache

@@ -29,12 +29,19 @@ class CostRow:
 
 @dataclass
 class PrefillCost:
-    """vLLM's own prefill cost per block, from single requests of several prompt lengths."""
+    """vLLM's own prefill cost per block, from single requests of several prompt lengths.
+
+    ``marginal_us_per_block`` is the least-squares slope through the lengths' median TTFTs and
+    ``spread_us_per_block`` its standard error (None with two lengths); ``resolved`` says the
+    slope is positive and, where a spread exists, above twice it: only then is it a cost a
+    connector op may be priced against (``with_ratios``)."""
 
     lengths: list[int]
     median_ttft_ms: list[float]
     marginal_us_per_block: float
     mean_us_per_block: float
+    spread_us_per_block: float | None = None
+    resolved: bool = True
 
 
 @dataclass
@@ -66,10 +73,18 @@ def prefill_cost(calibrate: Sequence[dict], block_size: int) -> PrefillCost | No
         return None
     lengths = sorted(by_len)
     ttft = [median(by_len[n]) for n in lengths]
-    slope, _ = statistics.linear_regression(lengths, ttft)
+    slope, intercept = statistics.linear_regression(lengths, ttft)
+    spread = None
+    if len(lengths) > 2:
+        fitted = [intercept + slope * n for n in lengths]
+        residual = sum((t - f) ** 2 for t, f in zip(ttft, fitted, strict=True))
+        mean_n = statistics.fmean(lengths)
+        spread = (residual / (len(lengths) - 2) / sum((n - mean_n) ** 2 for n in lengths)) ** 0.5
+    resolved = slope > 0 and (spread is None or slope > 2 * spread)
     return PrefillCost(
         lengths, [t * 1e3 for t in ttft], slope * block_size * 1e6,
         ttft[-1] / (lengths[-1] / block_size) * 1e6,
+        None if spread is None else spread * block_size * 1e6, resolved,
     )  # fmt: skip
 
 

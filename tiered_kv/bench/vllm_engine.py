@@ -74,11 +74,18 @@ def run_engine(
     engine_args: dict | None = None,
     env: dict | None = None,
     calibrate: Sequence[Sequence[int]] = (),
+    warmup: Sequence[Sequence[int]] = (),
     multiprocessing: bool = False,
     timeout: float = 600.0,
     log_path: str | Path | None = None,
 ) -> dict:
-    """Run ``turns`` then ``calibrate`` in a fresh child engine.
+    """Run ``warmup``, ``turns`` then ``calibrate`` in a fresh child engine.
+
+    ``warmup``: one batch of prompts (``max_tokens`` each) before the turns, untimed, so a new
+    engine's first batch (its kernels' first calls at these shapes) is not the first turn's;
+    ``warmup_counters`` are the counters after it. ``calibrate``: single prompts, one output
+    token each; every distinct length runs once untimed first (the engine's first call at a
+    prompt length is slower), then the given ones in the given order.
 
     ``block_size`` None lets vLLM pick it (a model with recurrent state does);
     ``engine_args`` go to ``vllm.LLM`` last (over ``dtype="float32"``, ``enforce_eager``);
@@ -87,7 +94,8 @@ def run_engine(
     connector's tiers keep theirs), so later turns' hits are the connector's.
 
     Returns ``{"turns": [{"outputs", "wall_s", "counters"}], "calibrate": [{"prompt_tokens",
-    "ttft_s"}], "final_counters", "startup_s", "torch_threads", "block_size"}`` (the worker's
+    "ttft_s"}], "warmup_counters", "warmup_s", "final_counters", "startup_s", "torch_threads",
+    "block_size"}`` (the worker's
     torch threads, None under ``multiprocessing``, where the worker is another process; the
     block size vLLM ran with); an output is ``{"prompt_token_ids", "token_ids",
     "num_cached_tokens", "ttft_s"}``. ``counters`` are cumulative: vLLM's (``VLLM_COUNTERS``,
@@ -97,6 +105,7 @@ def run_engine(
         "model": str(model_dir),
         "turns": [[p if isinstance(p, dict) else list(p) for p in turn] for turn in turns],
         "calibrate": [list(p) for p in calibrate],
+        "warmup": [list(p) for p in warmup],
         "max_tokens": max_tokens,
         "max_model_len": max_model_len,
         "kv_transfer_config": kv_transfer_config,
@@ -204,6 +213,10 @@ def _child(spec_path: str, out_path: str) -> None:
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         return llm.generate(batch, params, use_tqdm=False)
 
+    t0 = time.perf_counter()
+    if spec["warmup"]:
+        generate(spec["warmup"], spec["max_tokens"])
+    warmup_s, warmup_counters = time.perf_counter() - t0, _counters()
     turns: list[dict] = []
     for turn in spec["turns"]:
         if turns and spec["reset_prefix_cache"]:  # later turns hit the connector, not vLLM
@@ -218,6 +231,11 @@ def _child(spec_path: str, out_path: str) -> None:
         outs = generate(prompts, spec["max_tokens"])
         wall = time.perf_counter() - t0
         turns.append({"outputs": _outputs(prompts, outs), "wall_s": wall, "counters": _counters()})
+    seen: set[int] = set()
+    for prompt in spec["calibrate"]:  # each length's first call, untimed
+        if len(prompt) not in seen:
+            seen.add(len(prompt))
+            generate([prompt[::-1]], 1)  # not the timed prompt: no cached prefix to find
     calibrate = []
     for prompt in spec["calibrate"]:
         (out,) = _outputs([prompt], generate([prompt], 1))
@@ -228,6 +246,8 @@ def _child(spec_path: str, out_path: str) -> None:
         "turns": turns,
         "calibrate": calibrate,
         "final_counters": _counters(),
+        "warmup_counters": warmup_counters,
+        "warmup_s": warmup_s,
         "startup_s": ready - start,
         # the worker's only where it runs in this process (no multiprocessing)
         "torch_threads": torch.get_num_threads() if os.environ.get(MP_ENV) == "0" else None,

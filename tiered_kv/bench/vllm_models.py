@@ -13,6 +13,7 @@ MODELS = ("llama", "gemma3", "qwen3-next")
 # vLLM raises the tiny Qwen3-Next's block size to 384 itself (its recurrent-state page sets it)
 STATE_MODEL_BLOCK_SIZE = 384
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # cores vLLM leaves its engine core
 TP_BINDING = {2: "0|1"}  # one core per worker on this 2-core box: "auto" needs NUMA nodes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -54,9 +55,11 @@ class EngineSetup:
     def layout_line(self, environ: Mapping[str, str]) -> str:
         """How the engines' threads are laid out, for the printed notes."""
         bind = self.env().get(BIND_ENV, environ.get(BIND_ENV))
+        reserved = self.env().get(RESERVED_ENV, environ.get(RESERVED_ENV))
         return (
             f"tensor parallel {self.tp}, {BIND_ENV}="
-            f"{bind if bind else 'unset (vLLM picks)'}, "
+            f"{bind if bind else 'unset (vLLM picks)'}, {RESERVED_ENV}="
+            f"{reserved if reserved is not None else 'unset (vLLM picks)'}, "
             f"multiprocessing {'on' if self.multiprocessing else 'off'}"
         )
 

@@ -54,10 +54,51 @@ def prefill_lines(p: PrefillCost | None, block_size: int) -> list[str]:
     if p is None:
         return ["vLLM prefill per block: not measured (fewer than two calibration lengths)"]
     points = ", ".join(f"{n}: {t:.1f}" for n, t in zip(p.lengths, p.median_ttft_ms, strict=True))
+    spread = "" if p.spread_us_per_block is None else f" +- {p.spread_us_per_block:.0f}"
+    if p.resolved:
+        marginal = (
+            f"  marginal {p.marginal_us_per_block:.0f}{spread} us/block (least-squares slope "
+            "+- its standard error; prefill/op above divides this)"
+        )
+    else:
+        marginal = (
+            f"  marginal NOT RESOLVED: slope {p.marginal_us_per_block:.0f}{spread} us/block is "
+            "not above zero by twice its standard error (noise or warm-up: rerun, add lengths "
+            "or repeats); no prefill/op printed"
+        )
     return [
         f"vLLM prefill per {block_size}-token block ('a recompute' engine, single requests, "
         f"1 output token, median TTFT ms by prompt length: {points}):",
-        f"  marginal {p.marginal_us_per_block:.0f} us/block (least-squares slope; prefill/op "
-        f"above divides this), mean {p.mean_us_per_block:.0f} us/block (longest prompt's "
-        f"TTFT over its blocks)",
+        f"{marginal}, mean {p.mean_us_per_block:.0f} us/block (longest prompt's TTFT over its "
+        "blocks)",
     ]
+
+
+GOALS = {"tiered / vllm-pc": 1.2, "restart / recompute": 0.33}  # issue 40's TTFT p50 goals
+
+
+def goal_lines(rows: Sequence[TurnRow], turns: int) -> list[str]:
+    """Issue 40's TTFT goals from the turn rows (medians over rounds): the connector's TTFT p50
+    over vLLM's own prefix cache's, per turn 2..``turns`` (the median of those ratios), and the
+    first turn after the restart's over recomputing it; a goal missed says MISS."""
+    by = {(r.config, r.turn): r for r in rows}
+    out = []
+    pc = [
+        by["c tiered", t].ttft_p50_ms / by["b vllm-pc", t].ttft_p50_ms
+        for t in range(2, turns + 1)
+        if ("c tiered", t) in by and ("b vllm-pc", t) in by and by["b vllm-pc", t].ttft_p50_ms
+    ]
+    if pc:
+        ratio = sorted(pc)[len(pc) // 2]
+        out.append(_goal("tiered / vllm-pc", ratio, f"TTFT p50, turns 2-{turns}, median"))
+    first = turns + 1
+    restart, again = by.get(("d restart", first)), by.get(("a recompute", first))
+    if restart is not None and again is not None and again.ttft_p50_ms:
+        ratio = restart.ttft_p50_ms / again.ttft_p50_ms
+        out.append(_goal("restart / recompute", ratio, f"TTFT p50, turn {first}, engines warmed"))
+    return out
+
+
+def _goal(name: str, ratio: float, what: str) -> str:
+    goal = GOALS[name]
+    return f"{name} ({what}): {ratio:.2f} (goal <= {goal}: {'ok' if ratio <= goal else 'MISS'})"

@@ -17,6 +17,9 @@ configurations (``CONFIGS``):
   the store. ``a`` and ``b`` run those turns too (``turns + restart_turns`` in all), ``c`` stops
   at ``turns``.
 
+Every engine runs one untimed warm-up batch first (the first turn's prompt lengths, tokens of
+their own: no hit on the workload), so a turn's TTFT is never a new engine's first batch: the
+restart turn measures the store, not the engine's cold kernels; the counters start after it.
 Every engine of a run gets the same ``EngineSetup`` (``vllm_models``: model, dtype, block size,
 tensor parallelism and thread binding). For a model with recurrent state (Qwen3-Next: vLLM's
 ``align`` mode needs prefix caching) ``c tiered`` and ``d restart`` run with vLLM's prefix
@@ -35,8 +38,10 @@ The connector's cost per block is its timing counters over its block counters in
 engine: store read per block loaded from the store, host -> block copy per block loaded,
 block -> host copy per block saved, store write per page written. vLLM's own prefill cost per
 block is measured in ``a``'s engine after its turns: single prompts of ``calibrate_lengths``
-tokens, one at a time, one output token each, ``calibrate_repeats`` times; the marginal cost is
-the least-squares slope of median TTFT over prompt length (times the block size), the mean
+tokens, one at a time, one output token each, ``calibrate_repeats`` times, the lengths
+interleaved in a seeded order after one untimed call per length; the marginal cost is the
+least-squares slope of median TTFT over prompt length (times the block size) with its standard
+error, not used (``resolved`` False) unless above zero by twice that, the mean
 cost the longest prompt's median TTFT over its blocks. Counters come from the engine's
 Prometheus registry (``vllm_engine``). Bytes per hit token (``vllm_costs.byte_row``): the
 connector's ``loaded_bytes`` over the tokens vLLM took from it, against every KV layer loaded in
@@ -321,9 +326,13 @@ def measure_vllm(
         for _ in range(calibrate_repeats)
         for n in calibrate_lengths
     ]
+    rng.shuffle(calibrate)  # lengths interleaved: no length always runs first
+    first, _ = w.tokens()
+    warm_rng = random.Random(f"{w.seed}:warmup")
+    warmup = [[warm_rng.randrange(FIRST_ID, w.vocab) for _ in p] for p in first]
     longest = max(w.max_model_len(), max(calibrate_lengths, default=0) + 1)
     engine = {"max_model_len": -(-longest // w.block_size) * w.block_size, "model_id": model_id,
-              "setup": setup, "timeout": timeout}  # fmt: skip
+              "setup": setup, "timeout": timeout, "warmup": warmup}  # fmt: skip
     watch = machine.LoadWatch()
     rows: list[TurnRow] = []
     costs: list[CostRow] = []
@@ -336,21 +345,24 @@ def measure_vllm(
         results, loads = _round(w, model_dir, round_dir, calibrate, parallel, engine, say)
         for cfg in CONFIGS:
             result = results[cfg.name]
-            before: dict = {}
+            warm = result.get("warmup_counters") or {}
+            before: dict = warm  # the warm-up batch is no turn's
             offset = w.turns if cfg.restart else 0
             for t, turn in enumerate(result["turns"]):
                 rows.append(turn_row(cfg.name, offset + t + 1, turn, before))
                 before = turn["counters"]
             if cfg.connector:
-                costs += cost_rows(cfg.name, result["final_counters"])
-                hit_bytes.append(byte_row(cfg.name, result["final_counters"], full_per_token))
+                final = {k: v - warm.get(k, 0) for k, v in result["final_counters"].items()}
+                costs += cost_rows(cfg.name, final)
+                hit_bytes.append(byte_row(cfg.name, final, full_per_token))
             samples += result["calibrate"]
             engines[f"{cfg.name} #{n + 1}"] = {
-                "startup_s": result["startup_s"], "torch_threads": result["torch_threads"],
+                "startup_s": result["startup_s"], "warmup_s": result.get("warmup_s"),
+                "torch_threads": result["torch_threads"],
                 "load_before": loads[cfg.name], "final_counters": result["final_counters"],
             }  # fmt: skip
     prefill = prefill_cost(samples, w.block_size)
-    prefill_us = prefill.marginal_us_per_block if prefill else None
+    prefill_us = prefill.marginal_us_per_block if prefill and prefill.resolved else None
 
     def median_cost(key, group: list[CostRow]) -> CostRow:
         blocks = round(median([r.blocks for r in group]))
