@@ -65,7 +65,7 @@ def test_goal_lines_price_the_connector_against_vllms_cache_and_the_restart():
     rows += [row("c tiered", 1, 100.0), row("c tiered", 2, 55.0), row("c tiered", 3, 70.0)]
     rows += [row("d restart", 4, 40.0)]
     lines = vllm_tables.goal_lines(rows, turns=3)
-    assert lines[0].startswith("tiered / vllm-pc") and "1.40" in lines[0] and "MISS" in lines[0]
+    assert lines[0].startswith("tiered / vllm-pc") and "1.25" in lines[0] and "MISS" in lines[0]
     assert lines[1].startswith("restart / recompute") and "0.40" in lines[1], lines
     rows[-1] = row("d restart", 4, 30.0)
     assert "0.30" in vllm_tables.goal_lines(rows, turns=3)[1]

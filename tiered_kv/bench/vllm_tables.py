@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tiered_kv.bench.timing import median
 from tiered_kv.bench.vllm_costs import ByteRow, CostRow, PrefillCost
 from tiered_kv.bench.vllm_turns import TurnRow
 
@@ -89,7 +90,7 @@ def goal_lines(rows: Sequence[TurnRow], turns: int) -> list[str]:
         if ("c tiered", t) in by and ("b vllm-pc", t) in by and by["b vllm-pc", t].ttft_p50_ms
     ]
     if pc:
-        ratio = sorted(pc)[len(pc) // 2]
+        ratio = median(pc)
         out.append(_goal("tiered / vllm-pc", ratio, f"TTFT p50, turns 2-{turns}, median"))
     first = turns + 1
     restart, again = by.get(("d restart", first)), by.get(("a recompute", first))
