@@ -22,6 +22,7 @@ from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host import layout as layouts
 from tiered_kv.host.engine_jobs import EngineJobs
+from tiered_kv.host.layer_steps import LayerSteps
 from tiered_kv.host.layout import HostLayout
 from tiered_kv.host.memory import HostBuffer
 from tiered_kv.host.transfer import (
@@ -108,6 +109,7 @@ class HostTransfers:
         )
         self._kernels = transfer_kernels(decl.device, kernel_backend)
         self._prepared: _Prepared | None = None
+        self._steps: LayerSteps | None = None
         self._dev_buffers: DeviceBuffers | None = None
         self._engine = EngineJobs(
             decl, buffer, layout, self._strides, size=size, part_offsets=self.part_offsets
@@ -120,6 +122,7 @@ class HostTransfers:
     def forget(self) -> None:
         """Drop the prepared transfer, the launcher's cached plans and the engine's shape."""
         self._prepared = None
+        self._steps = None
         self._engine.forget()
 
     # -- the three directions (the host pool's public methods) ---------------------------------
@@ -139,6 +142,11 @@ class HostTransfers:
         layer_id: int,
         io: str,
     ) -> None:
+        steps = self._steps
+        if steps is not None and steps.step(
+            device_pool, host_indices, device_indices, layer_id, io
+        ):
+            return  # a later layer of the transfer the last call prepared (``layer_steps``)
         check_io_backend(io)
         self._check_pool(device_pool, "load_to_device_per_layer")
         layer_ids = self.decl.layer_ids
@@ -149,6 +157,11 @@ class HostTransfers:
             )
         prepared = self._prepare(host_indices, device_indices, "load_to_device_per_layer")
         self._run(prepared, [layer_ids.index(layer_id)], io, to_host=False)
+        job = prepared.engine_jobs.get(False)
+        if job is not None and LayerSteps.applies(job):
+            self._steps = LayerSteps(
+                host_indices, device_indices, device_pool, io, job, layer_ids, self._buffer
+            )
 
     def load_to_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io: str

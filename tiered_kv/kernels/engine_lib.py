@@ -31,6 +31,8 @@ def lib() -> ctypes.CDLL:
         lib.tkv_engine_free.restype = None
         lib.tkv_rows_copy.argtypes = [ctypes.POINTER(_Rows)]
         lib.tkv_rows_copy.restype = ctypes.c_int
+        lib.tkv_rows_copy_layer.argtypes = [ctypes.POINTER(_Rows), _I64]
+        lib.tkv_rows_copy_layer.restype = ctypes.c_int
         lib.tkv_status.argtypes = [_P]
         lib.tkv_status.restype = _I64
         lib.tkv_rows_prepare.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P] + [_I64] * 4 + [_P]

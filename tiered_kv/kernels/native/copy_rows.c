@@ -171,3 +171,17 @@ void tkv_run_work(tkv_run *r) {
     while (tkv_run_one(r)) {
     }
 }
+
+/* Every token of chosen layer k of *j on the calling thread, with no status entry and no
+ * allocation: the per-layer step of a layer-wise load whose job was built once. 0, or -1 when
+ * the job is not a valid per-layer job or k (or its layer) is out of range; nothing copied. */
+int tkv_rows_copy_layer(const tkv_rows *j, int64_t k) {
+    if (!job_ok(j) || j->chunked || k < 0 || k >= j->nlayers) return -1;
+    int64_t l = j->layers[k];
+    if (l < 0 || l >= j->total_layers) return -1;
+    copy_tokens(j, l, 0, j->n);
+#if defined(__SSE2__)
+    if (j->nt) _mm_sfence(); /* streamed stores visible before the caller uses the layer */
+#endif
+    return 0;
+}

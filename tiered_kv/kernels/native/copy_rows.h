@@ -55,4 +55,6 @@ void tkv_run_publish(tkv_run *r);
 void tkv_run_publish_locked(tkv_run *r);
 void tkv_run_refuse(const tkv_rows *j);
 void tkv_run_free(tkv_run *r);
+/* One chosen layer of *j, every token, on the calling thread; 0 or -1 (nothing copied). */
+int tkv_rows_copy_layer(const tkv_rows *j, int64_t k);
 #endif
