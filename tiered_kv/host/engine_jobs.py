@@ -23,7 +23,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host.layout import HostLayout, RecordStrides
 from tiered_kv.host.memory import HostBuffer
 from tiered_kv.kernels.copy_engine import CopyEngine, IndexCheck, RowJob, RowShape, engine_threads
-from tiered_kv.kernels.row_job import HELPERS_MIN_BYTES
+from tiered_kv.kernels.row_job import sync_threads
 from tiered_kv.kernels.transfer_native import STREAM_MIN_BYTES, bases_of
 
 _CPU = torch.device("cpu")
@@ -153,8 +153,8 @@ class EngineJobs:
             shape=shape,
             whole=True,
             chunked=self.layout.token_major and layers is None,
-            # the caller copies too: one thread per torch thread, the caller among them
-            threads=engine_threads(per_call) + (per_call >= HELPERS_MIN_BYTES),
+            # the caller copies too: it is the compute thread, and it waits
+            threads=sync_threads(per_call),
             nt=per_call >= STREAM_MIN_BYTES,
         )
         shared_engine().run(whole)

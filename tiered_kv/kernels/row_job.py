@@ -3,17 +3,21 @@
 :class:`RowShape` is what every transfer of one host pool shares (device buffer base
 addresses, row and part sizes, the layer order); :class:`RowJob` adds one transfer's device rows
 and host record offsets; ``_Rows`` is the C descriptor both become. ``engine_threads`` says how
-many threads a job may use.
+many threads an asynchronous job may use (``sync_threads``: a synchronous one).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from tiered_kv.errors import InvalidArgumentError
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -46,14 +50,78 @@ class _Rows(ctypes.Structure):
 
 
 HELPERS_MIN_BYTES = 1 << 20
+COPY_THREADS_ENV = "TIERED_KV_COPY_THREADS"
+
+
+def free_cores() -> int:
+    """Cores this thread may run on that the compute threads (torch's intra-op threads) leave
+    free; 0 when they take every one."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return max(0, usable - torch.get_num_threads())
+
+
+def copy_threads_setting() -> int | None:
+    """``TIERED_KV_COPY_THREADS`` as a positive int, or None when unset. Raises
+    InvalidArgumentError naming the value when it is set to anything else."""
+    raw = os.environ.get(COPY_THREADS_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise InvalidArgumentError(
+            f"{COPY_THREADS_ENV}={raw!r}: give a thread count 1..64, or unset it to follow the "
+            "cores the compute threads leave free"
+        )
+    return n
 
 
 def engine_threads(entry_bytes: int) -> int:
-    """Threads a job may use: the copier alone for small entries, else one per torch thread
-    but one (that core is the compute thread's, which helps when it waits)."""
+    """Threads an asynchronous job may use beside the model's compute: the copier alone for
+    entries under ``HELPERS_MIN_BYTES``, else ``TIERED_KV_COPY_THREADS`` if set, else the copier
+    plus one helper per core the compute threads leave free (``free_cores``), so copies never
+    take a core the model runs on, however many cores the machine or its affinity gives."""
     if entry_bytes < HELPERS_MIN_BYTES:
         return 1
-    return max(1, torch.get_num_threads() - 1)
+    setting = copy_threads_setting()
+    if setting is not None:
+        return setting
+    return max(1, free_cores())
+
+
+def sync_threads(entry_bytes: int) -> int:
+    """Threads a synchronous copy may use, its caller among them: the caller is the compute
+    thread and waits, so the copy takes the compute threads' cores (one per torch thread), not
+    the free ones (another process's, such as vLLM's engine core on a reserved core); one
+    thread under ``HELPERS_MIN_BYTES``."""
+    if entry_bytes < HELPERS_MIN_BYTES:
+        return 1
+    setting = copy_threads_setting()
+    if setting is not None:
+        return setting
+    return max(1, torch.get_num_threads())
+
+
+_beside = threading.local()
+
+
+def run_beside_compute() -> None:
+    """Mark the calling thread as one that copies while the model computes (a connector's load
+    or save thread; a ``ThreadPoolExecutor`` initializer): its copies take ``engine_threads``,
+    not the compute threads' cores."""
+    _beside.on = True
+
+
+def copy_threads(entry_bytes: int) -> int:
+    """``engine_threads`` on a thread marked by ``run_beside_compute``, else ``sync_threads``."""
+    if getattr(_beside, "on", False):
+        return engine_threads(entry_bytes)
+    return sync_threads(entry_bytes)
 
 
 def _i64(values) -> np.ndarray:

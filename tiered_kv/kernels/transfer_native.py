@@ -26,10 +26,10 @@ import torch
 
 from tiered_kv.errors import BackendUnavailableError, TransferError
 from tiered_kv.kernels import native_build
+from tiered_kv.kernels.row_job import copy_threads
 from tiered_kv.kernels.transfer_reference import PlanCache
 
-# Below these sizes a thread start or a cache bypass costs more than it saves.
-THREADS_MIN_BYTES = 1 << 20
+# Below this size a cache bypass costs more than it saves (threads: ``row_job.copy_threads``).
 STREAM_MIN_BYTES = 4 << 20
 # Tokens per chunk of a host-bound token-major copy (measured: 16 beat 1 by 10-15%).
 CHUNK = 16
@@ -200,7 +200,7 @@ class NativeRowPlan:
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray | None, layers: int
     ) -> None:
         total = self.n * layers * sum(self.row_bytes)
-        threads = max(1, torch.get_num_threads() if total >= THREADS_MIN_BYTES else 1)
+        threads = copy_threads(total)  # beside compute: only the cores it leaves free
         rc = self._fn(
             ctypes.c_void_p(dst.ctypes.data),
             ctypes.c_void_p(src.ctypes.data),

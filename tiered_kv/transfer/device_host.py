@@ -30,6 +30,7 @@ from tiered_kv._checks import check_index_tensor
 from tiered_kv.device.allocator.base import BaseTokenToKVPoolAllocator
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.kernels.copy_engine import CopyEngine, RowEvent, RowJob, SubmittedJob
+from tiered_kv.kernels.row_job import copy_threads_setting
 from tiered_kv.names import Direction, IOBackend, JobId, parse
 from tiered_kv.transfer.base import HostCopies, TransferJob, TransferResult, TransferWorker
 from tiered_kv.transfer.layer_done import LayerDoneCounter
@@ -66,6 +67,7 @@ class DeviceHostTransfer(TransferWorker):
             raise InvalidArgumentError("host_pool does not mirror the allocator's device pool")
         self.host_pool = host_pool
         self.io_backend = parse(IOBackend, io_backend, "io_backend")
+        copy_threads_setting()  # a bad TIERED_KV_COPY_THREADS is refused here, not per job
         self.layer_ids = list(host_pool.decl.layer_ids)
         self.layer_done_counter = LayerDoneCounter(len(self.layer_ids), layer_slots)
         self.device_pool.register_layer_transfer_counter(self.layer_done_counter)

@@ -386,3 +386,22 @@ def test_random_faults_never_load_wrong_bytes(tmp_path, gen):
         assert loaded_ok > 0 and failed_total > 0
     finally:
         e.close()
+
+
+def test_the_load_and_save_threads_copy_beside_compute(engine, monkeypatch):
+    """Their copies take only the cores the model's threads leave free (``copy_threads``)."""
+    from tiered_kv.kernels import row_job
+
+    monkeypatch.setattr(row_job, "free_cores", lambda: 5)
+    monkeypatch.setattr(row_job.torch, "get_num_threads", lambda: 3)
+    monkeypatch.delenv(row_job.COPY_THREADS_ENV, raising=False)
+    big = row_job.HELPERS_MIN_BYTES
+    for pool in (engine.tiers._loader, engine.tiers._saver):
+        assert pool.submit(row_job.copy_threads, big).result() == 5
+    assert row_job.copy_threads(big) == 3  # the caller (the model's thread) is not marked
+
+
+def test_a_bad_copy_thread_count_is_refused_at_start(tmp_path, gen, monkeypatch):
+    monkeypatch.setenv("TIERED_KV_COPY_THREADS", "0")
+    with pytest.raises(InvalidArgumentError, match="TIERED_KV_COPY_THREADS='0'"):
+        Engine(tmp_path, gen)

@@ -34,6 +34,7 @@ from tiered_kv.integrations.vllm.block_layout import BlockLayout
 from tiered_kv.integrations.vllm.host_pages import HostPages
 from tiered_kv.integrations.vllm.host_slots import HostSlots
 from tiered_kv.integrations.vllm.settings import FLAG, ConnectorSettings
+from tiered_kv.kernels.row_job import copy_threads_setting, run_beside_compute
 from tiered_kv.log_limit import LogLimiter
 from tiered_kv.storage.backends import open_backend
 from tiered_kv.storage.guarded_store import GuardedStorage
@@ -116,6 +117,7 @@ class ConnectorTiers:
                 f"{FLAG}.host_bytes={settings.host_bytes} holds no page: a page (one block of "
                 f"{len(layout.layer_ids)} layers) is {layout.page_nbytes} bytes; give at least that"
             )
+        copy_threads_setting()  # a bad TIERED_KV_COPY_THREADS is refused at start-up
         self.pages = HostPages(layout, num_slots)
         self.slots = HostSlots(num_slots)
         opener = functools.partial(
@@ -125,8 +127,13 @@ class ConnectorTiers:
         self.counters = TierCounters()
         kind = layout.kind.removeprefix("vllm-")
         self._kinds = (kind,) if kind in ("window", "state") else ()  # counted on their own
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-vllm-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-vllm-save")
+        # Both threads copy while the model computes: their copies take only free cores.
+        self._loader = ThreadPoolExecutor(
+            1, thread_name_prefix="tiered-kv-vllm-load", initializer=run_beside_compute
+        )
+        self._saver = ThreadPoolExecutor(
+            1, thread_name_prefix="tiered-kv-vllm-save", initializer=run_beside_compute
+        )
         self._closed = False
 
     def keys(self, digests: Sequence[bytes]) -> list[bytes]:
