@@ -72,11 +72,16 @@ def test_steps_are_taken_not_the_full_path(gen, monkeypatch):
     layer_ids = pool.host_pool_decls()[0].layer_ids
     host.load_to_device_per_layer(pool, h, dst, layer_ids[0])
     calls = []
-    real = type(host._transfers)._prepare
-    monkeypatch.setattr(type(host._transfers), "_prepare", lambda *a: calls.append(1) or real(*a))
+    cls = type(host._transfers)
+    for name in ("_prepare", "_engine_job", "_check_pool"):  # the full path's steps
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    monkeypatch.setattr("tiered_kv.host.engine_jobs.EngineJobs.run", lambda *a: calls.append("run"))
     for lid in layer_ids[1:]:
         host.load_to_device_per_layer(pool, h, dst, lid)
     assert calls == []  # every later layer was one step
+    host.load_to_device_per_layer(pool, h.clone(), dst, layer_ids[0])  # other tensors
+    assert calls == ["_check_pool", "_engine_job", "run"]  # the full path, noticed
     want = expected_device_after_load(device_snapshot(pool), device_snapshot(pool), src, dst)
     assert all(torch.equal(device_snapshot(pool)[n], want[n]) for n in want)
 
@@ -128,7 +133,7 @@ def test_large_layers_stay_on_the_engine_path(gen):
     # layer is not (the engine's helpers pay for themselves there)
     pool, host, src, h, dst = _loaded(gen, "mha", "page_first", 16, 4, torch.float32)
     host.load_to_device_per_layer(pool, h, dst, pool.host_pool_decls()[0].layer_ids[0])
-    job = host._transfers._prepared.engine_jobs[False]
+    job = host._transfers._last_job[3]
     assert LayerSteps.applies(job) and _steps(host) is not None
     rows = HELPERS_MIN_BYTES // job.shape.token_bytes + 1
     zeros = torch.zeros(rows, dtype=torch.int64)

@@ -22,7 +22,14 @@ from tiered_kv.device.pool_decl import HostPoolDecl
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.host.layout import HostLayout, RecordStrides
 from tiered_kv.host.memory import HostBuffer
-from tiered_kv.kernels.copy_engine import CopyEngine, IndexCheck, RowJob, RowShape, engine_threads
+from tiered_kv.kernels.copy_engine import (
+    CopyEngine,
+    IndexCheck,
+    RowJob,
+    RowShape,
+    engine_threads,
+    run_rows,
+)
 from tiered_kv.kernels.row_job import sync_threads
 from tiered_kv.kernels.transfer_native import STREAM_MIN_BYTES, bases_of
 
@@ -157,4 +164,7 @@ class EngineJobs:
             threads=sync_threads(per_call),
             nt=per_call >= STREAM_MIN_BYTES,
         )
-        shared_engine().run(whole)
+        if whole.threads == 1:
+            run_rows(whole)  # the caller alone: no queue, no thread to wake or wait for
+        else:
+            shared_engine().run(whole)

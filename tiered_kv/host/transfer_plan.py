@@ -5,9 +5,12 @@ the pair is validated (``transfer.plan_transfer``) once; what the io backends de
 (direct runs, record offsets, the launcher's :class:`PlanCache`) is computed on first use and
 kept with it. A layer-wise load calls once per layer with the same index tensors, so the last
 prepared transfer is reused while both tensors are the same objects, unmodified (``_version``).
-The kernel backend is called the same way whichever it is. With the native backend a transfer
-can also be described as a :class:`~tiered_kv.kernels.copy_engine.RowJob` (``row_job``) for the
-copy engine's thread, validated here the same way.
+The kernel backend is called the same way whichever it is. With the native backend (io
+``kernel``) the copies run as copy-engine jobs instead (``EngineJobs``): the pair is validated in
+C while the job is built (the Python checks run only to name a bad value), the last job is kept
+while the same unmodified tensors come again in the same direction, and the later layers of a
+layer-wise load are one native call each (``layer_steps``). ``row_job`` describes a transfer the
+same way for the copy engine's own thread.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ class _Prepared:
         "dev_buffers",
         "host_offsets",
         "plan_cache",
-        "engine_jobs",
     )
 
     def __init__(self, host_src: torch.Tensor, device_src: torch.Tensor, plan: TransferPlan):
@@ -71,7 +73,6 @@ class _Prepared:
         self.dev_buffers: DeviceBuffers | None = None  # [part][local layer], every layer
         self.host_offsets: torch.Tensor | None = None  # (layers, n) record offsets
         self.plan_cache = PlanCache()
-        self.engine_jobs: dict[bool, RowJob] = {}  # by direction (to_host)
 
     def made_from(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         return (
@@ -110,6 +111,7 @@ class HostTransfers:
         self._kernels = transfer_kernels(decl.device, kernel_backend)
         self._prepared: _Prepared | None = None
         self._steps: LayerSteps | None = None
+        self._last_job: tuple | None = None  # (host, device, versions + direction, RowJob)
         self._dev_buffers: DeviceBuffers | None = None
         self._engine = EngineJobs(
             decl, buffer, layout, self._strides, size=size, part_offsets=self.part_offsets
@@ -123,6 +125,7 @@ class HostTransfers:
         """Drop the prepared transfer, the launcher's cached plans and the engine's shape."""
         self._prepared = None
         self._steps = None
+        self._last_job = None
         self._engine.forget()
 
     # -- the three directions (the host pool's public methods) ---------------------------------
@@ -131,7 +134,11 @@ class HostTransfers:
     ) -> None:
         check_io_backend(io)
         self._check_pool(device_pool, "backup_from_device_all_layer")
-        prepared = self._prepare(host_indices, device_indices, "backup_from_device_all_layer")
+        where = "backup_from_device_all_layer"
+        if self._engine_applies(io):
+            self._engine.run(self._engine_job(host_indices, device_indices, True, where), None)
+            return
+        prepared = self._prepare(host_indices, device_indices, where)
         self._run(prepared, None, io, to_host=True)
 
     def load_to_device_per_layer(
@@ -155,10 +162,14 @@ class HostTransfers:
                 f"layer_id={layer_id!r} is not held; valid global layer ids are "
                 f"{layer_ids[0]}..{layer_ids[-1]}"
             )
-        prepared = self._prepare(host_indices, device_indices, "load_to_device_per_layer")
-        self._run(prepared, [layer_ids.index(layer_id)], io, to_host=False)
-        job = prepared.engine_jobs.get(False)
-        if job is not None and LayerSteps.applies(job):
+        where = "load_to_device_per_layer"
+        if not self._engine_applies(io):
+            prepared = self._prepare(host_indices, device_indices, where)
+            self._run(prepared, [layer_ids.index(layer_id)], io, to_host=False)
+            return
+        job = self._engine_job(host_indices, device_indices, False, where)
+        self._engine.run(job, [layer_ids.index(layer_id)])
+        if LayerSteps.applies(job):
             self._steps = LayerSteps(
                 host_indices, device_indices, device_pool, io, job, layer_ids, self._buffer
             )
@@ -168,7 +179,11 @@ class HostTransfers:
     ) -> None:
         check_io_backend(io)
         self._check_pool(device_pool, "load_to_device_all_layer")
-        prepared = self._prepare(host_indices, device_indices, "load_to_device_all_layer")
+        where = "load_to_device_all_layer"
+        if self._engine_applies(io):
+            self._engine.run(self._engine_job(host_indices, device_indices, False, where), None)
+            return
+        prepared = self._prepare(host_indices, device_indices, where)
         self._run(prepared, None, io, to_host=False)
 
     def row_job(
@@ -204,6 +219,27 @@ class HostTransfers:
             raise InvalidArgumentError(
                 f"{where}: device_pool is not the pool this host pool mirrors"
             )
+
+    def _engine_job(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, to_host: bool, where: str
+    ) -> RowJob:
+        """The copy-engine job of a transfer, validated in C (``EngineJobs.job``; the Python
+        checks run only to name a bad value): the last one while the same, unmodified tensors
+        come again in the same direction, else a new one."""
+        self._buffer.live()  # raises if destroyed
+        cached = self._last_job
+        if (
+            cached is not None
+            and cached[0] is host_indices
+            and cached[1] is device_indices
+            and cached[2] == (host_indices._version, device_indices._version, to_host)
+        ):
+            return cached[3]
+        physical = self.device_allocator.translate_kv_indices_for_transfer(device_indices)
+        job = self._engine.job(host_indices, physical, to_host, where, self._plan)
+        versions = (host_indices._version, device_indices._version, to_host)
+        self._last_job = (host_indices, device_indices, versions, job)
+        return job
 
     def _prepare(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor, where: str
@@ -263,15 +299,6 @@ class HostTransfers:
             direct_copy(
                 dev_buffers, views, chosen, prepared.runs, self.layout, decl.page_size, to_host
             )
-            return
-        if self._engine_applies(io):
-            # The native backend's copies run on the copy engine: the caller helps the
-            # engine's copier, and a layer-wise loop pays no thread start per layer.
-            job = prepared.engine_jobs.get(to_host)
-            if job is None:
-                job = self._engine.job(plan.host, plan.device, to_host, "transfer", self._plan)
-                prepared.engine_jobs[to_host] = job
-            self._engine.run(job, layers)
             return
         if prepared.host_offsets is None:
             every = list(range(decl.layer_num))
