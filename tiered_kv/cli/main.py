@@ -32,7 +32,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from tiered_kv.cli import bench_cmd, run_cmd, scale_cmd, sim_cmd
+from tiered_kv.cli import bench_cmd, omp_wait, run_cmd, scale_cmd, sim_cmd
 from tiered_kv.cli.args import json_object
 from tiered_kv.cli.observe import add_log_argument, setup_logging
 from tiered_kv.cli.preflight import check_output_file
@@ -157,10 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     the first is taken for the same), and one after it, while the process exits, is ignored:
     main ends the process, and after a Ctrl-C leaves SIGINT ignored (``_interruptible``). A
     stdout whose reader went away (``| head``) ends it quietly with status 141."""
+    # Before anything imports torch: libgomp reads its environment when it is loaded.
+    omp_note = omp_wait.apply(sys.argv[1:] if argv is None else argv)
     with _interruptible():
         try:
             args = parse(argv)
             setup_logging(args.log_level)
+            if omp_note:
+                print(omp_note, flush=True)
             return COMMANDS[args.command].main(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)
