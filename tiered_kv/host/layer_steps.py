@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from tiered_kv.device.kv_cache import KVCache
 from tiered_kv.errors import TransferError
 from tiered_kv.host.memory import HostBuffer
 from tiered_kv.kernels.engine_lib import lib
@@ -46,7 +46,7 @@ class LayerSteps:
         self,
         host_src: torch.Tensor,
         device_src: torch.Tensor,
-        pool: Any,
+        pool: KVCache,
         io: str,
         job: RowJob,
         layer_ids: Sequence[int],
@@ -74,7 +74,7 @@ class LayerSteps:
 
     def step(
         self,
-        pool: Any,
+        pool: object,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer_id: object,
