@@ -16,10 +16,12 @@ def no_torch(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a fresh CLI process
 
 
-def test_run_takes_the_passive_policy(no_torch):
+def test_run_takes_the_passive_policy(no_torch, monkeypatch):
+    monkeypatch.setattr(omp_wait, "applied", None)
     env: dict[str, str] = {}
     note = omp_wait.apply(["run", "--log-level", "info", "--preset", "llama-3-8b"], env)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and "OMP_WAIT_POLICY=PASSIVE" in note
+    assert omp_wait.applied == note  # what the run prints after its first line
 
 
 @pytest.mark.parametrize(
@@ -61,3 +63,16 @@ def test_the_cli_decides_before_torch_is_imported():
     )
     assert out.returncode == 0, out.stderr
     assert "OMP_WAIT_POLICY=PASSIVE" in out.stdout
+
+
+def test_a_run_says_it_after_its_first_line_and_a_refused_one_says_nothing(tmp_path):
+    from tests.cli.cli_process import ENV, TINY_RUN, tiered_kv
+
+    env_has_choice = any(v in ENV for v in omp_wait.USER_VARS)
+    done = tiered_kv("run", *TINY_RUN, "--store-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert " at scale " in lines[0], lines[0]
+    assert ("OMP_WAIT_POLICY=PASSIVE" in lines[1]) != env_has_choice, lines[:2]
+    refused = tiered_kv("run", *TINY_RUN, "--store-dir", str(tmp_path / "missing"))
+    assert refused.returncode == 2 and refused.stdout == ""  # refused: nothing on stdout

@@ -158,13 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     main ends the process, and after a Ctrl-C leaves SIGINT ignored (``_interruptible``). A
     stdout whose reader went away (``| head``) ends it quietly with status 141."""
     # Before anything imports torch: libgomp reads its environment when it is loaded.
-    omp_note = omp_wait.apply(sys.argv[1:] if argv is None else argv)
+    omp_wait.apply(sys.argv[1:] if argv is None else argv)
     with _interruptible():
         try:
             args = parse(argv)
             setup_logging(args.log_level)
-            if omp_note:
-                print(omp_note, flush=True)
             return COMMANDS[args.command].main(args)
         except KeyboardInterrupt:
             print("tiered-kv: interrupted", file=sys.stderr)

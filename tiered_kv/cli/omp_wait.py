@@ -8,7 +8,8 @@ three busy processes (load ~4.8) with the default, against 14.4-15.4 s and 38.2 
 ``OMP_WAIT_POLICY=PASSIVE`` (CPU seconds beside the load: 49.6 against 22.3). A run is a
 long batch job on shared machines, so it takes ``PASSIVE`` unless the user chose a policy
 (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set). libgomp reads the variable when it is loaded,
-with torch: ``apply`` runs before anything imports torch.
+with torch: ``apply`` runs before anything imports torch, and the run prints what it did
+after its first line (a run refused at the start prints nothing on stdout).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from collections.abc import MutableMapping, Sequence
 
 COMMANDS = ("run",)  # the commands whose process takes the policy
+applied: str | None = None  # what ``apply`` did in this process (the run prints it), if anything
 ALL_COMMANDS = ("run", "run-reference", "sim", "bench")  # cli.main's
 USER_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -31,8 +33,10 @@ def apply(argv: Sequence[str], environ: MutableMapping[str, str] = os.environ) -
         return None
     if "torch" in sys.modules:  # too late: libgomp has read its environment
         return None
+    global applied
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return (
+    applied = (
         "OpenMP threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE, tiered-kv run's default: "
         "set OMP_WAIT_POLICY to choose)"
     )
+    return applied

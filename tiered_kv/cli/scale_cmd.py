@@ -16,7 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from tiered_kv.cli import preflight, run_defaults
+from tiered_kv.cli import omp_wait, preflight, run_defaults
 from tiered_kv.cli.args import (
     add_storage_backend_arguments,
     check_storage_backend,
@@ -163,6 +163,8 @@ def main(args: argparse.Namespace) -> int:
         f"({100 * s.host_tokens / s.working_set_tokens:.0f}%), {tier} {s.storage_bytes >> 20} MiB",
         flush=True,
     )
+    if omp_wait.applied:
+        print(omp_wait.applied, flush=True)
     load_before = _load()
     modes = default_modes(cfg)
     # Progress on stderr; the endpoint up until the report is out (and --metrics-linger).
