@@ -22,7 +22,7 @@ Charges (``used``): every slot with disk blocks its ``slot_bytes``, every page `
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -148,12 +148,24 @@ class SlabBooks:
         self.add_used(txn, ENTRY_COST)
 
     def touch(
-        self, txn: lmdb.Transaction, key: bytes, newer_than: int | None = None, tick=None
+        self,
+        txn: lmdb.Transaction,
+        key: bytes,
+        newer_than: int | None = None,
+        tick=None,
+        known: Entry | None = None,
     ) -> bool:
         """Make ``key`` the most recent page unless its tick is above ``newer_than``; False when
-        it is absent (or unreadable)."""
-        entry = self.lookup(txn, key)
-        if entry is None or entry.header is None or entry.slot is None:
+        it is absent (or unreadable). ``known``: the record a read found for ``key``; while the
+        index still holds exactly those bytes it is not parsed again."""
+        raw = txn.get(key, db=self.headers)
+        if raw is None:
+            return False
+        if known is not None and known.header is not None and known.raw == raw:
+            entry = known
+        else:
+            entry = unpack_value(key, raw)
+        if entry.header is None or entry.slot is None:
             return False
         if newer_than is not None and entry.header.tick > newer_than:
             return True
@@ -165,13 +177,17 @@ class SlabBooks:
         txn.put(key, header + entry.raw[value_format.HEADER_BYTES :], db=self.headers)
         return True
 
-    def refresh(self, txn: lmdb.Transaction, keys) -> None:
-        """Write the recency of pages that were read; one already among the newest quarter keeps
-        its place (the bump-once rule, as in ``lmdb_books``)."""
+    def refresh(
+        self, txn: lmdb.Transaction, keys, known: Mapping[bytes, Entry] | None = None
+    ) -> None:
+        """Write the recency of pages that were read (``known``: the records the reads found,
+        by key); one already among the newest quarter keeps its place (the bump-once rule, as
+        in ``lmdb_books``)."""
         clock = _u64(txn.get(_TICK, db=self.meta))
         newest_quarter = clock - txn.stat(self.headers)["entries"] // 4
+        known = known or {}
         for key in keys:
-            if self.touch(txn, key, newest_quarter, clock + 1):
+            if self.touch(txn, key, newest_quarter, clock + 1, known.get(key)):
                 clock += 1
         txn.put(_TICK, _U64.pack(clock), db=self.meta)
 

@@ -38,7 +38,7 @@ from tiered_kv.storage.contract import PageSource, StorageStats, page_rows
 from tiered_kv.storage.io_threads import check_io_threads, shared_map
 from tiered_kv.storage.keys import FINGERPRINT_BYTES, StorageNamespace
 from tiered_kv.storage.slab_alloc import SlabAllocator
-from tiered_kv.storage.slab_books import ENTRY_COST
+from tiered_kv.storage.slab_books import ENTRY_COST, Entry
 from tiered_kv.storage.slab_env import INDEX_RESERVE, Pending, SlabEnv, count_os_error
 from tiered_kv.storage.slab_file import slot_bytes_for
 from tiered_kv.storage.slab_reads import deliver, drop_if_unchanged, read_plan
@@ -93,7 +93,7 @@ class SlabStorage(BookedStorage):
         self._durable = bool(durable)
         self._io_threads = check_io_threads(io_threads)
         self._stats = StorageStats(budget_bytes=budget_bytes)
-        self._touched: dict[bytes, None] = {}
+        self._touched: dict[bytes, Entry] = {}  # read since the last write, with its record
         self._txn_pages: int | None = None  # pages per set transaction while the disk is full
         self._files: SlabEnv | None = None
         self._lock = threading.RLock()
@@ -127,17 +127,18 @@ class SlabStorage(BookedStorage):
     def _flush_touched(self, txn: lmdb.Transaction, pending: Pending | None = None) -> None:
         touched, self._touched = self._touched, {}
         if touched:
-            self._books.refresh(txn, touched)
+            self._books.refresh(txn, touched, touched)
 
     def _flush_recency(self) -> None:
         """Write the recency of pages read since the last write, in parts of ``_txn_pages``
         while a full disk keeps transactions small (halved like a set's on a failed commit)."""
-        touched, self._touched = list(self._touched), {}
+        known, self._touched = self._touched, {}
+        touched = list(known)
         while touched:
             part = touched[: self._txn_pages or len(touched)]
 
             def refresh(txn: lmdb.Transaction, _: Pending, part=part) -> bool:
-                self._books.refresh(txn, part)
+                self._books.refresh(txn, part, known)
                 return True
 
             if self._write(refresh, "recency"):
@@ -191,7 +192,7 @@ class SlabStorage(BookedStorage):
                 if err:
                     self._stats.count_error(f"batch_get: {err}")
                 if ok:
-                    self._touched[key] = None
+                    self._touched[key] = entries[i]
                     self._stats.hits += 1
                 else:
                     self._stats.misses += 1
