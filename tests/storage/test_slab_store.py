@@ -321,3 +321,25 @@ def test_a_batch_from_the_disk_is_read_on_one_thread_in_file_order(tmp_path, nby
         assert threads == 1 and [e.slot for _, e in got] == in_order
     finally:
         slab.close()
+
+
+@pytest.mark.parametrize("nbytes", [4096 - 3, 3 * 4096 + 40, (512 << 10), (512 << 10) + 4096 + 7])
+def test_read_into_checks_whole_pages_of_one_chunk_and_of_several(tmp_path, gen, nbytes):
+    slab = SlabFile(tmp_path / "x.slab", nbytes)
+    page = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).numpy()
+    try:
+        assert slab.allocate(0, 2) == 0
+        csum = slab.write(1, memoryview(page))
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        assert slab.read_into(1, dst, csum) and np.array_equal(dst, page)
+        assert not slab.read_into(1, dst, csum ^ 1)  # another checksum
+        assert not slab.read_into(0, dst, csum)  # another slot's bytes (zeros)
+        assert not slab.read_into(2, dst, csum)  # past the file's end: a short read
+        with open(tmp_path / "x.slab", "r+b") as f:  # one flipped byte in the page's last chunk
+            f.seek(slab.slot_bytes + nbytes - 1)
+            last = f.read(1)[0]
+            f.seek(slab.slot_bytes + nbytes - 1)
+            f.write(bytes([last ^ 0x01]))
+        assert not slab.read_into(1, dst, csum)
+    finally:
+        slab.close()
