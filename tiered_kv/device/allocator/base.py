@@ -215,8 +215,21 @@ class BaseTokenToKVPoolAllocator(CapacityHooks, abc.ABC):
         check_index("free_index", free_index, self)
         if free_index.shape[0] == 0:
             return
-        check_free_slots(self, "free_index", free_index)
-        self._free_checked(free_index)
+        if self.page_size == 1 or self.free_group is not None:
+            check_free_slots(self, "free_index", free_index)
+            self._free_checked(free_index)
+            return
+        # The pages come back sorted: their first and last bound every slot (a slot lies in
+        # pages 1..num_pages exactly when its page does), one read instead of a pass.
+        pages = self._pages_of(free_index)
+        if pages.shape[0] <= 64:  # a few pages: one read of them all is the cheapest
+            ends = pages.tolist()
+            first, last = ends[0], ends[-1]
+        else:
+            first, last = pages[0].item(), pages[-1].item()
+        if first < 1 or last > self.num_pages:
+            check_free_slots(self, "free_index", free_index)  # raises, naming the slots
+        self._release((pages,))
 
     def _free_checked(self, free_index: torch.Tensor) -> None:
         """``free`` of a non-empty ``free_index`` whose shape and range the caller checked (a
