@@ -57,7 +57,7 @@ def deliver(
 
 # Pages of 512 KiB and up are read on two threads when in the page cache: into a host pool
 # larger than the CPU's caches one thread ran at 0.86-0.88x of two (133.7 vs 118.2 us a page;
-# the same run's HiCacheFile 127.1). Smaller ones read faster on one (0.25 MiB: 87 vs 95 us).
+# the same run's HiCacheFile 127.1). Smaller ones read faster on one (0.25 MiB: 82 vs 101 us).
 PARALLEL_READ_BYTES = 512 << 10
 
 
