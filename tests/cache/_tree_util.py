@@ -32,7 +32,12 @@ HUGE = 1 << 40
 
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors: torch's OpenMP workers only fight the copy threads on a 2-core box."""
+    """Tiny tensors: torch's OpenMP workers only fight the copy threads on a 2-core box. With
+    two threads on two cores every small op ends at a barrier whose other thread spins or waits
+    for a core: next to any other busy process the random workloads ran 4-80x slower (the state
+    cache's fault test 2.3 s quiet, 182 s beside a two-thread torch loop; one thread: 2.9 s),
+    while quiet they take the same time on one thread. Every cache and engine test runs inside
+    it (their ``conftest.py``)."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
