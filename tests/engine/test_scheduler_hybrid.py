@@ -141,6 +141,16 @@ def random_workload(cache, model, seed: int, steps: int):
         check_step(sched)
     sched.run_until_done(3000)
     check_step(sched)
+    # A closing burst whose decodes outgrow the device pool (6 requests of up to 79 tokens
+    # against 192), so a retraction happens whatever the copies' timing left cached above.
+    for _ in range(6):
+        sched.add([rng.randrange(1, 128) for _ in range(rng.randrange(30, 40))], 39)
+    for _ in range(3000):
+        if not sched.waiting and not sched.running:
+            break
+        sched.step()
+        check_step(sched)
+    assert not sched.waiting and not sched.running, sched.stats
     return sched
 
 
