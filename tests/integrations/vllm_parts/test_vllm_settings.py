@@ -41,6 +41,12 @@ def test_defaults(tmp_path):
     s = read_settings(extra)
     assert s.load_mode == "async" and s.load_async
     assert s.host_bytes == 1 << 30
+    assert s.gil_switch_us == 200
+
+
+@pytest.mark.parametrize("us", [0, 1, 5000])
+def test_the_gil_switch_interval_is_read(tmp_path, us):
+    assert read_settings({**_valid(tmp_path), "gil_switch_us": us}).gil_switch_us == us
 
 
 @pytest.mark.parametrize(
@@ -65,6 +71,11 @@ def test_defaults(tmp_path):
         ("storage_backend", "nope"),
         ("storage_local_copy", "yes"),
         ("storage_batch_pages", 0),
+        ("gil_switch_us", -1),
+        ("gil_switch_us", 5001),
+        ("gil_switch_us", 0.5),
+        ("gil_switch_us", "200"),
+        ("gil_switch_us", True),
     ],
 )
 def test_a_bad_key_or_value_is_refused_by_name(tmp_path, key, value):

@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -405,3 +406,31 @@ def test_a_bad_copy_thread_count_is_refused_at_start(tmp_path, gen, monkeypatch)
     monkeypatch.setenv("TIERED_KV_COPY_THREADS", "0")
     with pytest.raises(InvalidArgumentError, match="TIERED_KV_COPY_THREADS='0'"):
         Engine(tmp_path, gen)
+
+
+def test_open_tiers_hold_the_gil_switch_interval_short(tmp_path, gen, monkeypatch):
+    """The worker's process keeps a 200 us switch interval while any tiers are open (their
+    threads would wait the interpreter's 5 ms for the GIL at every release beside vLLM's main
+    thread); the last close gives the interpreter's back; 0 leaves it alone."""
+    from tiered_kv import gil_switch
+
+    # a module state of its own: tiers another test left open would hold too
+    monkeypatch.setattr(gil_switch, "_open", {})
+    monkeypatch.setattr(gil_switch, "_state", {"next": 0, "found": None, "ours": None})
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        a = Engine(tmp_path / "a", gen)
+        assert abs(sys.getswitchinterval() - 200e-6) < 1e-6
+        b = Engine(tmp_path / "b", gen, gil_switch_us=80)
+        assert abs(sys.getswitchinterval() - 80e-6) < 1e-6
+        b.close()
+        assert abs(sys.getswitchinterval() - 200e-6) < 1e-6
+        a.close()
+        a.close()  # closing twice gives back nothing twice
+        assert abs(sys.getswitchinterval() - 0.005) < 1e-6
+        c = Engine(tmp_path / "c", gen, gil_switch_us=0)
+        assert abs(sys.getswitchinterval() - 0.005) < 1e-6
+        c.close()
+    finally:
+        sys.setswitchinterval(before)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tiered_kv import gil_switch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.integrations.vllm.block_layout import BlockLayout
 from tiered_kv.integrations.vllm.host_pages import HostPages
@@ -134,6 +135,10 @@ class ConnectorTiers:
         self._saver = ThreadPoolExecutor(
             1, thread_name_prefix="tiered-kv-vllm-save", initializer=run_beside_compute
         )
+        # The load and save threads release the GIL at every system call and copy; the engine's
+        # main thread would keep it for a whole switch interval at each (settings.py).
+        us = settings.gil_switch_us
+        self._gil = gil_switch.shorten(us / 1e6) if us else None
         self._closed = False
 
     def keys(self, digests: Sequence[bytes]) -> list[bytes]:
@@ -322,3 +327,5 @@ class ConnectorTiers:
         self._saver.shutdown(wait=True)
         self.store.close()
         self.pages.destroy()
+        if self._gil is not None:
+            self._gil.close()
