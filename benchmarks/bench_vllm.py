@@ -68,6 +68,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=(1, 2),
         help="tensor parallel size of every engine (2: one core per worker)",
     )
+    p.add_argument(
+        "--load-mode",
+        choices=("async", "layerwise"),
+        default="async",
+        help="the connector's load_mode (layerwise: the llama model only)",
+    )
+    p.add_argument(
+        "--gil-switch-us",
+        type=int,
+        default=None,
+        help="the connector's gil_switch_us (0: the interpreter's 5 ms; default: the connector's)",
+    )
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=512, help="shared by every conversation")
     p.add_argument("--context-tokens", type=int, default=384, help="each conversation's own")
@@ -101,6 +113,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.calibrate_lengths = [int(n) for n in str(args.calibrate_lengths).split(",") if n]
     if min(args.conversations, args.turns, args.restart_turns, args.output_tokens, args.rounds) < 1:
         p.error("--conversations, --turns, --restart-turns, --output-tokens, --rounds: >= 1")
+    if args.load_mode == "layerwise" and args.model != "llama":
+        p.error(f"--load-mode layerwise serves single-group models only: not --model {args.model}")
     return args
 
 
@@ -162,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     info = machine.machine_info()
     print("\n".join(machine.condition_lines(info)))
     setup = engine_setup(
-        args.model, tp=args.tp, block_size=args.block_size, multiprocessing=args.multiprocessing
-    )
+        args.model, tp=args.tp, block_size=args.block_size, multiprocessing=args.multiprocessing,
+        load_mode=args.load_mode, gil_switch_us=args.gil_switch_us,
+    )  # fmt: skip
     w = workload_of(args, setup.block_size)
     with tempfile.TemporaryDirectory(prefix="tkv-bench-vllm-", dir=args.workdir) as work:
         model, model_id = build_model(args, Path(work) / "model", max(4096, 2 * w.max_model_len()))

@@ -89,6 +89,24 @@ def test_engine_setup(model, tp):
         assert not s.resets_prefix_cache
     with pytest.raises(ValueError, match="tp=3"):
         vllm_models.engine_setup(model, tp=3)
+    assert s.load_mode == "async" and "connector load_mode async" in s.layout_line({})
+    if model == "llama":
+        lw = vllm_models.engine_setup(model, tp=tp, load_mode="layerwise")
+        assert lw.load_mode == "layerwise" and "load_mode layerwise" in lw.layout_line({})
+    else:  # layer-wise loads serve single-group models only
+        with pytest.raises(ValueError, match="load_mode='layerwise'"):
+            vllm_models.engine_setup(model, load_mode="layerwise")
+    with pytest.raises(ValueError, match="load_mode='sync'"):
+        vllm_models.engine_setup(model, load_mode="sync")
+
+
+def test_the_connector_config_carries_the_load_mode(tmp_path):
+    kv = vllm_turns.kv_config(tmp_path, "m@1", "layerwise")
+    assert kv["kv_connector_extra_config"]["load_mode"] == "layerwise"
+    default = vllm_turns.kv_config(tmp_path, "m@1")["kv_connector_extra_config"]
+    assert default["load_mode"] == "async" and "gil_switch_us" not in default
+    off = vllm_turns.kv_config(tmp_path, "m@1", gil_switch_us=0)["kv_connector_extra_config"]
+    assert off["gil_switch_us"] == 0
 
 
 def test_which_engines_keep_vllms_prefix_cache():

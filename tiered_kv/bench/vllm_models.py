@@ -35,6 +35,8 @@ class EngineSetup:
     tp: int = 1
     multiprocessing: bool = False
     resets_prefix_cache: bool = False
+    load_mode: str = "async"  # the connector's (``kv_connector_extra_config.load_mode``)
+    gil_switch_us: int | None = None  # the connector's; None: its default
 
     @property
     def engine_block_size(self) -> int | None:
@@ -60,28 +62,42 @@ class EngineSetup:
             f"tensor parallel {self.tp}, {BIND_ENV}="
             f"{bind if bind else 'unset (vLLM picks)'}, {RESERVED_ENV}="
             f"{reserved if reserved is not None else 'unset (vLLM picks)'}, "
-            f"multiprocessing {'on' if self.multiprocessing else 'off'}"
+            f"multiprocessing {'on' if self.multiprocessing else 'off'}, connector load_mode "
+            f"{self.load_mode}, gil_switch_us "
+            f"{'default' if self.gil_switch_us is None else self.gil_switch_us}"
         )
 
 
 def engine_setup(
-    model: str = "llama", *, tp: int = 1, block_size: int = 32, multiprocessing: bool = False
+    model: str = "llama",
+    *,
+    tp: int = 1,
+    block_size: int = 32,
+    multiprocessing: bool = False,
+    load_mode: str = "async",
+    gil_switch_us: int | None = None,
 ) -> EngineSetup:
     """The setup of ``model`` under ``tp``-way tensor parallelism (``tp`` > 1 turns
     multiprocessing on: one worker process per rank). ``block_size`` is the Llama's and
     Gemma-3's; Qwen3-Next's is vLLM's (``STATE_MODEL_BLOCK_SIZE``). ValueError naming the
-    argument for a model or a ``tp`` this bench does not know."""
+    argument for a model, a ``tp`` or a ``load_mode`` this bench does not know (layer-wise loads
+    serve single-group models only: the Llama)."""
     if model not in MODELS:
         raise ValueError(f"model={model!r}: one of {', '.join(MODELS)}")
+    if load_mode not in ("async", "layerwise") or (load_mode == "layerwise" and model != "llama"):
+        raise ValueError(f"load_mode={load_mode!r}: async, or layerwise with the llama model")
     if tp != 1 and tp not in TP_BINDING:
         raise ValueError(f"tp={tp}: 1 or one of {sorted(TP_BINDING)} (one core per worker)")
     multiprocessing = multiprocessing or tp > 1
     if model == "qwen3-next":
         return EngineSetup(
             model, "bfloat16", STATE_MODEL_BLOCK_SIZE, pass_block_size=False, tp=tp,
-            multiprocessing=multiprocessing, resets_prefix_cache=True,
+            multiprocessing=multiprocessing, resets_prefix_cache=True, gil_switch_us=gil_switch_us,
         )  # fmt: skip
-    return EngineSetup(model, "float32", block_size, tp=tp, multiprocessing=multiprocessing)
+    return EngineSetup(
+        model, "float32", block_size, tp=tp, multiprocessing=multiprocessing, load_mode=load_mode,
+        gil_switch_us=gil_switch_us,
+    )  # fmt: skip
 
 
 def kv_bytes_per_token(hf_config: Mapping, dtype: str) -> int:

@@ -182,7 +182,10 @@ class VllmResult:
     setup: EngineSetup = field(default_factory=EngineSetup)
 
 
-def kv_config(store: Path, model_id: str) -> dict:
+def kv_config(
+    store: Path, model_id: str, load_mode: str = "async", gil_switch_us: int | None = None
+) -> dict:
+    extra = {} if gil_switch_us is None else {"gil_switch_us": gil_switch_us}
     return {
         "kv_connector": "TieredKVConnector",
         "kv_connector_module_path": "tiered_kv.integrations.vllm",
@@ -190,7 +193,7 @@ def kv_config(store: Path, model_id: str) -> dict:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "model_id": model_id, "storage_path": str(store), "storage_bytes": STORE_BYTES,
-            "host_bytes": HOST_BYTES,
+            "host_bytes": HOST_BYTES, "load_mode": load_mode, **extra,
         },
     }  # fmt: skip
 
@@ -238,7 +241,11 @@ def _run_config(
     log = round_dir / (store.name.removeprefix("store-") + ".log")
     result = run_engine(
         model_dir, specs, max_tokens=w.output_tokens, block_size=setup.engine_block_size,
-        kv_transfer_config=kv_config(store, model_id) if cfg.connector else None,
+        kv_transfer_config=(
+            kv_config(store, model_id, setup.load_mode, setup.gil_switch_us)
+            if cfg.connector
+            else None
+        ),
         enable_prefix_caching=caching, reset_prefix_cache=reset,
         engine_args=setup.engine_args(), env=setup.env(), multiprocessing=setup.multiprocessing,
         log_path=log, **engine,
