@@ -182,3 +182,37 @@ def test_random_faults_never_finish_a_request_with_wrong_bytes(tmp_path, gen):
         for f in faults:
             f.on = False
         rig.worker.shutdown()
+
+
+def test_an_idle_step_waits_for_a_load_in_flight_and_a_forward_step_does_not(
+    tmp_path, gen, monkeypatch
+):
+    """In a step with nothing to compute ``transfer_results`` waits (up to ``IDLE_WAIT_S``, long
+    here) for a load in flight, so the request is reported without another step."""
+    import threading
+    import time
+
+    from tiered_kv.integrations.vllm import worker_side
+
+    rig = Rig(tmp_path, gen)
+    try:
+        rig.forward(TieredKVMetadata(saves=[BlockPages("a", [1], [digest(1)], 1)]))
+        rig.settle()
+        monkeypatch.setattr(worker_side, "IDLE_WAIT_S", 30.0)
+        for idle, req in ((False, "b"), (True, "c")):
+            gate = threading.Event()
+            rig.worker.tiers[1].submit(lambda gate=gate: gate.wait(30) and set())
+            rig.worker.start_load_kv(
+                TieredKVMetadata(loads=[BlockPages(req, [2], [digest(1)], 1)]), idle=idle
+            )
+            if idle:
+                threading.Timer(0.05, gate.set).start()
+                assert rig.worker.transfer_results() == ({req}, set())
+            else:
+                t = time.monotonic()
+                assert rig.worker.transfer_results() == (set(), set())  # no wait
+                assert time.monotonic() - t < 5.0
+                gate.set()
+                assert rig.settle() == ({req}, set())
+    finally:
+        rig.worker.shutdown()

@@ -4,18 +4,21 @@ half's layer-wise saves and its async or layer-wise loads; a layer's blocks are 
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 
+from tiered_kv.integrations.vllm import worker_side
 from tiered_kv.integrations.vllm.block_layout import describe_layers
 from tiered_kv.integrations.vllm.metadata import RankReport, TieredKVWorkerMeta
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerSide
 from tiered_kv.integrations.vllm.scheduler_tiers import SchedulerTiers
 from tiered_kv.integrations.vllm.settings import read_settings
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers
-from tiered_kv.integrations.vllm.worker_side import WorkerSide
+from tiered_kv.integrations.vllm.worker_side import WorkerSide, idle_step, wait_if_idle
 
 from ._kv import block_bytes, make_caches, page_bytes, refill_
 from ._sched import (
@@ -239,5 +242,81 @@ def test_a_failed_layerwise_load_drops_the_steps_saves(tmp_path, gen):
         p.forward(TieredKVMetadata(saves=[BlockPages("c", [1, 2], computed[1:])]))
         p.tiers.drain()
         assert p.tiers.store.batch_exists(p.tiers.keys(computed[1:])) == 2
+    finally:
+        p.close()
+
+
+# -- a step with nothing to compute waits a little for the loads in flight --------------------
+def test_idle_step_is_read_from_the_forward_context():
+    class Ctx:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    assert idle_step(Ctx(attn_metadata=None))  # vLLM's no-forward step
+    assert not idle_step(Ctx(attn_metadata={"layer.0": object()}))
+    assert not idle_step(Ctx(attn_metadata={}))
+    assert not idle_step(Ctx())  # a context that does not say is a forward's
+    assert not idle_step(None)
+
+
+def test_wait_if_idle_waits_only_in_an_idle_step_and_only_as_long_as_allowed():
+    never: Future = Future()
+    t = time.monotonic()
+    wait_if_idle(False, [never])
+    wait_if_idle(True, [])
+    assert time.monotonic() - t < worker_side.IDLE_WAIT_S  # nothing to wait for: no wait
+    t = time.monotonic()
+    wait_if_idle(True, [never])  # a load that does not finish: the bound
+    assert worker_side.IDLE_WAIT_S * 0.9 <= time.monotonic() - t < 5.0
+    soon: Future = Future()
+    threading.Timer(0.05, soon.set_result, (set(),)).start()
+    t = time.monotonic()
+    with_bound = worker_side.IDLE_WAIT_S
+    try:
+        worker_side.IDLE_WAIT_S = 30.0
+        wait_if_idle(True, [never, soon])  # returns with the first one done, not at the bound
+    finally:
+        worker_side.IDLE_WAIT_S = with_bound
+    assert soon.done() and time.monotonic() - t < 20.0
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["idle-step", "forward-step"])
+def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(tmp_path, gen, monkeypatch, idle):
+    """With the wait long, an idle step's ``get_finished`` returns the load it started; a step
+    with a forward never waits (vLLM asks again after the next forward)."""
+    p = Pair(tmp_path, gen, load_async=True)
+    try:
+        a = Request("a", tokens(gen, 3 * BS + 1))
+        assert p.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        p.owned["a"] = [3, 7, 5, 1]
+        p.forward(
+            p.sched.build_connector_meta(
+                SchedulerOutput([NewReq("a", 0)], num_scheduled_tokens={"a": 3 * BS + 1})
+            )
+        )
+        p.report()
+        want = [p.page(b) for b in (3, 7, 5)]
+        b = Request("b", list(a.all_token_ids) + tokens(gen, 2))
+        assert p.sched.get_num_new_matched_tokens(b, 0) == (3 * BS, True)
+        p.owned["b"] = [8, 2, 10, 4]
+        p.sched.update_state_after_alloc(b, Blocks(p.owned["b"]), 3 * BS)
+        refill_(p.physical, gen)
+        meta = p.sched.build_connector_meta(SchedulerOutput())
+        gate = threading.Event()
+        p.tiers.submit(lambda: gate.wait(30) and set())  # the load queues behind this
+        monkeypatch.setattr(worker_side, "IDLE_WAIT_S", 30.0)
+        p.worker.start_load_kv(meta, idle=idle)
+        if idle:
+            threading.Timer(0.05, gate.set).start()
+            assert p.worker.get_finished() == {"b"}  # waited for it: no second step needed
+        else:
+            t = time.monotonic()
+            assert p.worker.get_finished() == set()  # held back by the gate; no wait
+            assert time.monotonic() - t < 5.0
+            gate.set()
+            _finished(p.worker, "b")
+        assert p.worker.load_errors() == set()
+        for t_block, w in zip([8, 2, 10], want, strict=True):
+            assert torch.equal(p.page(t_block), w)
     finally:
         p.close()

@@ -48,7 +48,7 @@ from tiered_kv.integrations.vllm.settings import read_settings
 from tiered_kv.integrations.vllm.stats import StatsDelta, TieredKVPromMetrics, TieredKVStats
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers
 from tiered_kv.integrations.vllm.worker_hybrid import HybridWorkerSide
-from tiered_kv.integrations.vllm.worker_side import WorkerSide
+from tiered_kv.integrations.vllm.worker_side import WorkerSide, idle_step
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -210,7 +210,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, TieredKVMetadata):
-            self._worker.start_load_kv(meta)
+            self._worker.start_load_kv(meta, idle=idle_step(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:

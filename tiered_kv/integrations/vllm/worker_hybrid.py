@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers, SaveCopy
+from tiered_kv.integrations.vllm.worker_side import wait_if_idle
 
 
 def _done() -> Future:
@@ -43,9 +44,12 @@ class HybridWorkerSide:
         self._states: list[BlockPages] = []  # the step's state saves, copied after its forward
         self._saves: dict[int, SaveCopy] = {}
         self._writes: list[Future] = []
+        self._idle = False  # this step computes nothing (vLLM's no-forward step)
 
     # -- loads ------------------------------------------------------------------------------
-    def start_load_kv(self, meta: TieredKVMetadata) -> None:
+    def start_load_kv(self, meta: TieredKVMetadata, idle: bool = False) -> None:
+        """Start the step's loads; ``idle``: the step computes nothing (``IDLE_WAIT_S``)."""
+        self._idle = idle
         for req_id in meta.doomed:
             self._doomed.add(req_id)
             self._loads.setdefault(req_id, []).append(_done())
@@ -58,7 +62,9 @@ class HybridWorkerSide:
         """Loads are async: a request runs only after vLLM was told its load finished."""
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(requests whose load finished, those of them that failed on this rank)."""
+        """(requests whose load finished, those of them that failed on this rank). In a step
+        with nothing to compute, first waits up to ``IDLE_WAIT_S`` for a load in flight."""
+        wait_if_idle(self._idle, (f for parts in self._loads.values() for f in parts))
         finished, failed = set(), set()
         for req_id, parts in list(self._loads.items()):
             if not all(f.done() for f in parts):

@@ -20,12 +20,36 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from tiered_kv.integrations.vllm.metadata import TieredKVMetadata
 from tiered_kv.integrations.vllm.tiers import ConnectorTiers, SaveCopy
 
 LAYER_WAIT_S = 600.0  # a layer's load is bounded by the store's own timeouts long before this
+# In a step with nothing to compute vLLM asks for finished loads right after starting them and
+# then steps again at once: its engine loop runs Python without a pause and takes the GIL from
+# the load thread at every release. Such a step waits this long for a load in flight to finish,
+# the GIL released, instead: a request that arrives meanwhile is scheduled at most this late.
+IDLE_WAIT_S = 0.002
+
+
+_UNSAID = object()
+
+
+def idle_step(forward_context: object) -> bool:
+    """Whether vLLM's forward context is that of a step without a forward (nothing scheduled:
+    vLLM sets a context whose ``attn_metadata`` is None); a context that does not say is taken
+    as a forward's."""
+    return getattr(forward_context, "attn_metadata", _UNSAID) is None
+
+
+def wait_if_idle(idle: bool, futures: Iterable[Future]) -> None:
+    """In a step with nothing to compute (``idle``), wait up to ``IDLE_WAIT_S`` for the first
+    of ``futures`` to finish; otherwise return at once."""
+    pending = [f for f in futures if not f.done()]
+    if idle and pending:
+        wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
 
 class WorkerSide:
@@ -41,9 +65,12 @@ class WorkerSide:
         self._pending: list[tuple[int, bytes]] = []  # the step's saves, not started yet
         self._step_failed = False  # a layer-wise load of this step failed
         self._writes: list[Future] = []
+        self._idle = False  # this step computes nothing (vLLM's no-forward step)
 
     # -- loads ------------------------------------------------------------------------------
-    def start_load_kv(self, meta: TieredKVMetadata) -> None:
+    def start_load_kv(self, meta: TieredKVMetadata, idle: bool = False) -> None:
+        """Start the step's loads; ``idle``: the step computes nothing (``IDLE_WAIT_S``)."""
+        self._idle = idle
         loads = [ld for ld in meta.loads if ld.blocks]
         if self.load_async:
             for ld in loads:
@@ -107,7 +134,9 @@ class WorkerSide:
         self._layer_events = []
 
     def get_finished(self) -> set[str]:
-        """Requests whose async load is done (their failed blocks joined ``load_errors``)."""
+        """Requests whose async load is done (their failed blocks joined ``load_errors``). In a
+        step with nothing to compute, first waits up to ``IDLE_WAIT_S`` for one in flight."""
+        wait_if_idle(self._idle, self._async.values())
         done = {r for r, f in self._async.items() if f.done()}
         for req_id in done:
             self._errors |= self._async.pop(req_id).result()
