@@ -4,6 +4,8 @@ half's layer-wise saves and its async or layer-wise loads; a layer's blocks are 
 
 from __future__ import annotations
 
+import hashlib
+import random
 import threading
 import time
 from concurrent.futures import Future
@@ -318,5 +320,71 @@ def test_an_idle_step_reports_a_load_that_finishes_while_it_waits(tmp_path, gen,
         assert p.worker.load_errors() == set()
         for t_block, w in zip([8, 2, 10], want, strict=True):
             assert torch.equal(p.page(t_block), w)
+    finally:
+        p.close()
+
+
+def test_random_faults_through_idle_and_forward_steps_never_serve_wrong_bytes(tmp_path, gen):
+    """Async loads of several requests at once, most on one shared prefix, reported through
+    steps that are idle (they wait for a load in flight) or not, with the store's reads and
+    writes and the copier failing at random: every block reported loaded holds the bytes saved
+    under its digest, every failure is the tail of its request's chain, and each request is
+    reported once."""
+    from tiered_kv.integrations.vllm.metadata import BlockPages, TieredKVMetadata
+
+    from .test_vllm_tiers import Faults
+
+    rng = random.Random(int(torch.randint(1 << 30, (1,), generator=gen)))
+    p = Pair(tmp_path, gen, load_async=True)
+    faults = Faults(p.tiers, rng, gen)
+    truth: dict[bytes, torch.Tensor] = {}
+    served = failed_total = 0
+    try:
+        for step in range(150):
+            blocks = rng.sample(range(NB), rng.randint(1, 3))
+            refill_(p.physical, gen)
+            digests = [hashlib.sha256(f"{step}/{b}".encode()).digest() for b in blocks]
+            for b, d in zip(blocks, digests, strict=True):
+                truth[d] = p.page(b)
+            save = p.tiers.begin_save(blocks, digests)
+            fut = p.tiers.finish_save(save)
+            if fut is not None:
+                fut.result()
+            known = list(truth)
+            shared = known[-3:]  # the newest pages: a prefix several requests ask for
+            targets = rng.sample(range(NB), NB)
+            loads, want = [], {}
+            for r in range(rng.randint(1, 3)):
+                chain = shared[: rng.randint(1, len(shared))] if rng.random() < 0.7 else []
+                chain += [rng.choice(known) for _ in range(rng.randint(0, 2))]
+                chain = list(dict.fromkeys(chain))[: len(targets)]
+                if not chain:
+                    continue
+                mine, targets = targets[: len(chain)], targets[len(chain) :]
+                loads.append(BlockPages(f"{step}-{r}", mine, chain))
+                want[f"{step}-{r}"] = (mine, chain)
+            refill_(p.physical, gen)
+            p.worker.start_load_kv(TieredKVMetadata(loads=loads), idle=rng.random() < 0.5)
+            reported: set[str] = set()
+            deadline = time.monotonic() + 30
+            while reported != set(want):
+                got = p.worker.get_finished()
+                assert not (got & reported), "a request reported twice"
+                reported |= got
+                assert time.monotonic() < deadline, "a load never finished"
+                p.worker._idle = rng.random() < 0.5  # the next step: idle or a forward
+            errors = p.worker.load_errors()
+            for mine, chain in want.values():
+                bad = [i for i, b in enumerate(mine) if b in errors]
+                ok = bad[0] if bad else len(mine)
+                assert bad == list(range(ok, len(mine))), (mine, errors)  # failures: a tail
+                for b, d in zip(mine[:ok], chain[:ok], strict=True):
+                    assert torch.equal(p.page(b), truth[d]), f"step {step}: wrong bytes"
+                served += ok
+                failed_total += len(mine) - ok
+        faults.on = False
+        p.tiers.drain()
+        assert p.tiers.slots.counts()["pinned"] == 0
+        assert served > 0 and failed_total > 0
     finally:
         p.close()
